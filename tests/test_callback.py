@@ -1,0 +1,174 @@
+import warnings, pytest, torch
+from torch import nn
+import fastai.callback.fp16 as fastai_fp16
+import fastai.callback.channelslast as fastai_cl
+from fastai.vision.all import Learner, MSELossFlat, DataLoaders, AMPMode, Callback, set_seed
+from clfast.core import is_channels_last
+from clfast.amp import MixedPrecision, cpu_native_dtypes
+from clfast.callback import ChannelsLast
+from helpers import *
+
+native_bf16 = pytest.mark.skipif(torch.bfloat16 not in cpu_native_dtypes(), reason="CPU without native bf16")
+
+def _fit(learn, *cbs, n=1):
+    with learn.no_bar(), learn.no_logging(): learn.fit(n, 1e-3, cbs=list(cbs))
+    return learn
+
+def test_batches_and_model_channels_last():
+    raw, probe = RawProbe(), Probe()
+    learn = _fit(tiny_learner().to_channelslast(use_amp=False), raw, probe)
+    assert all(is_channels_last(xb[0]) for xb in probe.xb)
+    assert not any(is_channels_last(xb[0]) for xb in raw.xb)      # the data really came in contiguous
+    assert all(is_channels_last(p) for p in learn.model.parameters() if p.dim() == 4)
+    assert all(is_channels_last(g) for g in probe.grads[-1].values() if g.dim() == 4)
+    w = learn.model[0][0].weight
+    assert is_channels_last(learn.opt.state[w]['grad_avg']) and is_channels_last(learn.opt.state[w]['sqr_avg'])
+
+def test_already_channels_last_batch_not_copied():
+    raw, probe = RawProbe(), Probe()
+    learn = tiny_learner().to_channelslast(use_amp=False)
+    class MakeCL(Callback):
+        order = -6
+        def before_batch(self): self.learn.xb = tuple(x.contiguous(memory_format=torch.channels_last) for x in self.learn.xb)
+    _fit(learn, MakeCL(), raw, probe)
+    assert all(a[0] is b[0] for a, b in zip(raw.xb, probe.xb))
+
+def test_ambiguous_grayscale_not_copied():
+    raw, probe = RawProbe(), Probe()
+    _fit(tiny_learner(c=1).to_channelslast(use_amp=False), raw, probe)   # N1HW input
+    assert all(a[0] is b[0] for a, b in zip(raw.xb, probe.xb))
+
+def test_conv3d_batches_channels_last_3d():
+    x, y = torch.randn(8, 2, 4, 6, 6), torch.randn(8, 1)
+    dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x, y)), bs=4, device='cpu')
+    model = nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, 1))
+    probe = Probe()
+    learn = _fit(Learner(dls, model, loss_func=MSELossFlat()).to_channelslast(use_amp=False), probe)
+    assert all(xb[0].is_contiguous(memory_format=torch.channels_last_3d) for xb in probe.xb)
+    assert learn.model[0].weight.is_contiguous(memory_format=torch.channels_last_3d)
+
+def test_to_contiguous_restores_params_grads_and_opt_state():
+    learn = _fit(tiny_learner().to_channelslast(use_amp=False))
+    w = learn.model[0][0].weight
+    assert is_channels_last(learn.opt.state[w]['grad_avg'])
+    assert learn.to_contiguous() is learn
+    assert all(p.is_contiguous() for p in learn.model.parameters())
+    assert all(v.is_contiguous() for s in learn.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    assert not hasattr(learn, 'channels_last') and hasattr(learn, 'mixed_precision') is False  # use_amp=False added none
+    _fit(learn)   # trains on contiguous afterwards
+
+def test_to_contiguous_to_fp32_removes_amp():
+    learn = tiny_learner().to_channelslast(amp_mode='bf16')
+    assert hasattr(learn, 'mixed_precision')
+    learn.to_contiguous(to_fp32=True)
+    assert not hasattr(learn, 'mixed_precision') and not hasattr(learn, 'channels_last')
+
+def test_idempotent():
+    learn = tiny_learner()
+    learn.to_channelslast(amp_mode='bf16').to_channelslast(amp_mode='bf16')
+    assert sum(isinstance(cb, ChannelsLast) for cb in learn.cbs) == 1
+    assert sum(isinstance(cb, MixedPrecision) for cb in learn.cbs) == 1
+
+def test_replaces_fastai_callbacks():
+    learn = tiny_learner(cbs=[fastai_cl.ChannelsLast(), fastai_fp16.MixedPrecision(AMPMode.BF16)])
+    with pytest.warns(UserWarning, match="replacing MixedPrecision\\(bf16\\) with MixedPrecision\\(fp16\\)"):
+        learn.to_channelslast()
+    types = [type(cb) for cb in learn.cbs]
+    assert fastai_cl.ChannelsLast not in types and fastai_fp16.MixedPrecision not in types
+    assert types.count(ChannelsLast) == 1 and types.count(MixedPrecision) == 1
+    assert learn.mixed_precision.amp_mode == AMPMode.FP16
+
+def test_use_amp_false_converts_fastai_amp_keeping_mode():
+    learn = tiny_learner(cbs=fastai_fp16.MixedPrecision(AMPMode.BF16)).to_channelslast(use_amp=False)
+    assert type(learn.mixed_precision) is MixedPrecision and learn.mixed_precision.amp_mode == AMPMode.BF16
+
+def test_bad_amp_mode_changes_nothing():
+    learn = tiny_learner()
+    before = list(learn.cbs)
+    with pytest.raises(ValueError, match="Unknown amp_mode 'fp8': use one of 'fp16', 'bf16'"):
+        learn.to_channelslast(amp_mode='fp8')
+    assert list(learn.cbs) == before
+    with pytest.raises(ValueError, match="use one of"): MixedPrecision('int8')
+
+def test_two_amp_callbacks_refused():
+    learn = tiny_learner().to_channelslast(amp_mode='bf16')
+    learn.add_cb(fastai_fp16.MixedPrecision())
+    with pytest.raises(ValueError, match="2 MixedPrecision callbacks"): _fit(learn)
+
+def test_no_conv_model_warns():
+    learn = Learner(image_dls(), nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 2)), loss_func=CrossEntropyLossFlat())
+    with pytest.warns(UserWarning, match="no convolution"): _fit(learn.to_channelslast(use_amp=False))
+
+def test_fp32_channels_last_matches_contiguous():
+    res = []
+    for cl in (False, True):
+        set_seed(1)
+        learn = tiny_learner()
+        if cl: learn.to_channelslast(use_amp=False)
+        _fit(learn, n=2)
+        res.append((torch.cat([p.detach().flatten() for p in learn.model.parameters()]), learn.recorder.values[-1]))
+    torch.testing.assert_close(res[0][0], res[1][0], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(res[0][1]), torch.tensor(res[1][1]), rtol=1e-3, atol=1e-4)
+
+@native_bf16
+def test_cpu_bf16_autocast_dtypes():
+    probe = Probe()
+    class After(Probe): order = 20
+    after = After()
+    learn = _fit(tiny_learner().to_channelslast(amp_mode='bf16'), probe, after)
+    assert set(probe.pred_dtypes) == {torch.bfloat16}     # the model really ran in bf16
+    assert set(after.pred_dtypes) == {torch.float32}      # predictions leave after_pred in fp32
+    assert all(p.dtype == torch.float32 for p in learn.model.parameters())
+    assert not torch.is_autocast_enabled('cpu')           # autocast left after each batch
+
+def test_cpu_no_cuda_warning_and_precision_reported():
+    learn = tiny_learner().to_channelslast(amp_mode='bf16')
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        _fit(learn)
+    assert not any('CUDA' in str(o.message) for o in w)
+    expected = torch.bfloat16 if torch.bfloat16 in cpu_native_dtypes() else torch.float32
+    assert learn.mixed_precision.dtype == expected
+
+@pytest.mark.skipif(torch.float16 in cpu_native_dtypes(), reason="CPU computes fp16 natively")
+def test_cpu_fp16_falls_back_to_fp32_with_one_warning():
+    probe, scaler_on = Probe(), []
+    class Scaler(Callback):
+        def after_batch(self): scaler_on.append(self.learn.scaler.is_enabled())
+    learn = tiny_learner().to_channelslast()              # fastai's default amp_mode: fp16
+    with pytest.warns(UserWarning, match="no native fp16") as w: _fit(learn, probe, Scaler())
+    assert sum('no native fp16' in str(o.message) for o in w) == 1
+    assert learn.mixed_precision.dtype == torch.float32 and set(probe.pred_dtypes) == {torch.float32}
+    assert scaler_on and not any(scaler_on)
+
+def test_autocast_not_left_on_after_model_error():
+    learn = tiny_learner().to_channelslast(amp_mode='bf16')
+    class Boom(Callback):
+        def after_pred(self): raise RuntimeError('boom')
+    with pytest.raises(RuntimeError, match='boom'): _fit(learn, Boom())
+    _fit(learn)                                           # the next fit cleans up what the failed one left
+    assert not torch.is_autocast_enabled('cpu')
+
+@pytest.mark.cuda
+def test_cuda_fp16_scaler_and_bf16():
+    learn = tiny_learner().to_channelslast()
+    learn.dls.cuda(); learn.model.cuda()
+    probe = Probe()
+    _fit(learn, probe)
+    assert set(probe.pred_dtypes) == {torch.float16} and learn.mixed_precision.dtype == torch.float16
+    assert learn.scaler.is_enabled()
+    learn.to_channelslast(amp_mode='bf16')
+    probe = Probe(); _fit(learn, probe)
+    assert set(probe.pred_dtypes) == {torch.bfloat16}
+
+@pytest.mark.cuda
+def test_cuda_fp16_overflow_skips_step():
+    learn = tiny_learner().to_channelslast(init_scale=2.**60)    # the first scaled gradients overflow fp16
+    learn.dls.cuda(); learn.model.cuda()
+    steps = []
+    class Count(Callback):
+        def after_batch(self):
+            if self.training: steps.append((self.learn.scaler.get_scale(), len(self.learn.mixed_precision.scales)))
+    _fit(learn, Count())
+    assert steps[-1][0] < 2.**60                          # the scaler backed off...
+    assert steps[-1][1] < len(steps)                      # ...and the overflowing steps were skipped

@@ -1,0 +1,54 @@
+import torch, pytest
+from torch import nn
+from hypothesis import given, settings, strategies as st
+from clfast.core import *
+
+shapes4 = st.tuples(*[st.integers(1, 5)] * 4)
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes4, channels_last_input=st.booleans())
+def test_to_channels_last_properties(shape, channels_last_input):
+    x = torch.randn(shape)
+    if channels_last_input: x = x.contiguous(memory_format=torch.channels_last)
+    y = to_channels_last(x)
+    assert torch.equal(x, y)
+    if is_ambiguous(x): assert y is x                     # never copied just to change strides
+    else:
+        assert y.is_contiguous(memory_format=torch.channels_last)
+        assert (y is x) == channels_last_input             # no copy when already channels-last
+    assert to_channels_last(y) is y                       # idempotent
+    z = to_contiguous_format(y)
+    assert z.is_contiguous() and torch.equal(z, x)
+
+def test_ambiguous_shapes():
+    assert is_ambiguous(torch.randn(2, 1, 8, 8)) and is_ambiguous(torch.randn(2, 3, 1, 1))
+    assert is_ambiguous(torch.randn(2, 3, 1, 1, 1)) and not is_ambiguous(torch.randn(2, 3, 2, 1))
+    assert not is_ambiguous(torch.randn(3, 8, 8))          # not an image batch at all
+
+def test_non_images_untouched():
+    ints, flat, vol = torch.randint(0, 3, (2, 3, 4, 4)), torch.randn(2, 10), torch.randn(2, 3, 4, 5, 6)
+    out = to_channels_last({'a': ints, 'b': (flat, vol)})
+    assert out['a'] is ints and out['b'][0] is flat
+    assert out['b'][1].is_contiguous(memory_format=torch.channels_last_3d)
+
+def test_model_to_keeps_identity_and_converts_grads():
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv3d(4, 2, 2))
+    m[0].weight.grad = torch.randn_like(m[0].weight)
+    w = m[0].weight
+    model_to(m)
+    assert m[0].weight is w and w.is_contiguous(memory_format=torch.channels_last)
+    assert w.grad.is_contiguous(memory_format=torch.channels_last)
+    assert m[1].weight.is_contiguous(memory_format=torch.channels_last_3d)
+    model_to(m, channels_last=False)
+    assert w.is_contiguous() and w.grad.is_contiguous() and m[1].weight.is_contiguous()
+
+def test_opt_state_to_torch_optimizer():
+    m = nn.Conv2d(3, 8, 3)
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(2, 3, 8, 8)).sum().backward(); opt.step()
+    opt_state_to(opt, channels_last=True)
+    st_ = opt.state[m.weight]
+    assert st_['exp_avg'].is_contiguous(memory_format=torch.channels_last)
+    assert st_['step'].dim() == 0                          # scalars untouched
+    opt_state_to(opt, channels_last=False)
+    assert st_['exp_avg'].is_contiguous() and st_['exp_avg_sq'].is_contiguous()

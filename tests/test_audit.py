@@ -258,3 +258,14 @@ def test_cuda():
     assert 'body.1' in set(r.events.module)
     r = audit(model_to(torchvision.models.resnet18(weights=None).cuda()), to_channels_last(torch.randn(2, 3, 64, 64, device='cuda')))
     assert r.ok, r
+
+class Branches(nn.Module):
+    "SelectiveKernel's stack of two channels-last branches: 4D maps into one 5D tensor, channels still innermost"
+    def __init__(self): super().__init__(); self.a, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+    def forward(self, x): return torch.stack([self.a(x), self.b(x)], 1).sum(1)
+
+def test_rank_change_is_not_lost():
+    r = cl_audit(Wrap(Branches()))
+    assert r.ok, r
+    r = cl_audit(timm.create_model('skresnet18', pretrained=False), size=32)
+    assert r.ok, r

@@ -1,0 +1,291 @@
+"Tests of the channels-last audit: events found with the right module and phase, no false positives, no leftovers."
+import warnings
+import matplotlib; matplotlib.use('Agg')
+import pytest, torch, timm, torchvision
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+from fastai.vision.all import DataLoaders, vision_learner, CrossEntropyLossFlat, resnet18
+from clfast.core import model_to, to_channels_last, is_channels_last
+from clfast.audit import audit, ChannelsLastReport, ChannelsLastAudit, ChannelsLastError
+
+COLS = ['module', 'op', 'phase', 'kind', 'shape', 'dtype', 'bytes']
+
+def cl_audit(model, size=16, bs=2, c=3, **kwargs):
+    "Audit `model` put in channels-last on a channels-last random batch"
+    return audit(model_to(model), to_channels_last(torch.randn(bs, c, size, size)), **kwargs)
+
+def rows(r): return list(r.events[['module', 'op', 'phase', 'kind']].itertuples(index=False, name=None))
+
+class Wrap(nn.Module):
+    "A conv then `body` (to check qualified names) and an optional functional `tail`"
+    def __init__(self, body, tail=None, c=8):
+        super().__init__()
+        self.conv, self.body, self.tail = nn.Conv2d(3, c, 3, padding=1), body, tail
+    def forward(self, x):
+        x = self.body(self.conv(x))
+        return self.tail(x) if self.tail else x
+
+# --- culprits found with the right module ---
+
+def test_instance_norm():
+    r = cl_audit(Wrap(nn.Sequential(nn.ReLU(), nn.InstanceNorm2d(8))))
+    assert ('body.1', 'aten.clone', 'forward', 'convert') in rows(r)
+    assert set(r.events.module) == {'body.1'}
+    assert r.events['shape'][0] == (2, 8, 16, 16) and r.events.bytes[0] == 2*8*16*16*4 and r.events.dtype[0] == 'float32'
+
+def test_grid_sample():
+    grid = torch.rand(2, 8, 8, 2) * 2 - 1
+    r = cl_audit(Wrap(nn.ReLU(), tail=lambda x: F.grid_sample(x, grid, align_corners=False)))
+    assert ('', 'aten.grid_sampler_2d', 'forward', 'lost') in rows(r)   # functional in the root's forward
+    assert ('', 'aten.grid_sampler_2d_backward', 'backward', 'lost') in rows(r)
+
+def test_local_response_norm():
+    r = cl_audit(Wrap(nn.Sequential(nn.LocalResponseNorm(2), nn.Conv2d(8, 8, 3))))
+    assert not r.ok and set(r.events.module) == {'body.0'}
+
+class MixedCat(nn.Module):
+    def forward(self, x): return torch.cat([x, x.contiguous() * 2], 1)
+
+def test_mixed_layout_cat():
+    r = cl_audit(Wrap(nn.Sequential(nn.ReLU(), MixedCat())))
+    assert ('body.1', 'aten.cat', 'forward', 'lost') in rows(r)
+    assert ('body.1', 'aten.clone', 'forward', 'convert') in rows(r)   # the explicit .contiguous()
+
+def test_shufflenet_channel_shuffle():
+    r = cl_audit(torchvision.models.shufflenet_v2_x0_5(weights=None), size=64)
+    first = r.events.iloc[0]
+    assert (first.module, first.op, first.kind) == ('stage2.0', 'aten.clone', 'convert')
+    assert r.module_types['stage2.0'] == 'InvertedResidual' and len(first['shape']) == 5   # the 5D shuffle view
+
+def test_mobilenet_v2_backward_only():
+    r = cl_audit(torchvision.models.mobilenet_v2(weights=None), size=64)
+    assert rows(r) == [('features.18.2', 'aten.hardtanh_backward', 'backward', 'lost')]
+    assert r.module_types['features.18.2'] == 'ReLU6'
+
+@pytest.mark.slow
+def test_efficientnet_backward_only():
+    r = cl_audit(torchvision.models.efficientnet_b0(weights=None), size=64)
+    assert rows(r) == [('features.8.2', 'aten.silu_backward', 'backward', 'lost')]
+
+@pytest.mark.slow
+@pytest.mark.parametrize('arch,size', [('vgg11', 64), ('alexnet', 96)])
+def test_classifier_flatten(arch, size):
+    r = cl_audit(getattr(torchvision.models, arch)(weights=None), size=size)
+    assert rows(r) == [('', 'aten.clone', 'forward', 'convert')]   # torch.flatten in the root's forward
+    assert r.events['shape'][0][2:] == ((7, 7) if arch == 'vgg11' else (6, 6))
+
+# --- no false positives ---
+
+@pytest.mark.parametrize('make', [lambda: torchvision.models.resnet18(weights=None),
+                                  lambda: torchvision.models.squeezenet1_0(weights=None),
+                                  lambda: torchvision.models.mnasnet0_5(weights=None)],
+                         ids=['resnet18', 'squeezenet1_0', 'mnasnet0_5'])
+def test_no_false_positives(make):
+    r = cl_audit(make(), size=64)
+    assert r.ok, r
+
+@pytest.mark.slow
+@pytest.mark.parametrize('make', [lambda: torchvision.models.resnet50(weights=None),
+                                  lambda: timm.create_model('resnet50', pretrained=False),
+                                  lambda: torchvision.models.squeezenet1_1(weights=None),
+                                  lambda: torchvision.models.mnasnet1_0(weights=None)],
+                         ids=['tv_resnet50', 'timm_resnet50', 'squeezenet1_1', 'mnasnet1_0'])
+def test_no_false_positives_slow(make):
+    r = cl_audit(make(), size=64)
+    assert r.ok, r
+
+class Views(nn.Module):
+    "Views of a channels-last tensor, and copies that keep its layout"
+    def forward(self, x):
+        a, b = x.chunk(2, 1)
+        return a.narrow(2, 0, 4), b.transpose(2, 3), x.split(3, 1), x[:, :, 1:], x.clone(), x.double(), x.unsqueeze(1)
+
+def test_views_are_not_events():
+    r = cl_audit(Wrap(Views()), backward=False)
+    assert r.ok, r
+
+class NHWCNorm(nn.Module):
+    "convnext's trick: a layer norm over channels on the NHWC permutation, which is free in channels-last"
+    def __init__(self): super().__init__(); self.norm = nn.LayerNorm(8)
+    def forward(self, x): return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+def test_permuted_round_trip_is_clean_forward_and_backward():
+    r = cl_audit(Wrap(nn.Sequential(NHWCNorm(), nn.Conv2d(8, 8, 3))))
+    assert r.ok, r
+
+class Ambiguous(nn.Module):
+    "Layout copies of tensors whose layout is ambiguous: one channel, or 1x1 spatial"
+    def __init__(self): super().__init__(); self.one = nn.Conv2d(8, 1, 1)
+    def forward(self, x): return self.one(x).contiguous(), F.adaptive_max_pool2d(x, 1).contiguous(), x[:, :1].contiguous()
+
+def test_ambiguous_never_counts():
+    r = cl_audit(Wrap(Ambiguous()), backward=False)
+    assert r.ok, r
+    r = cl_audit(Wrap(nn.Conv2d(8, 1, 3)), size=16)
+    assert r.ok, r
+
+def test_contiguous_model_reports_nothing():
+    r = audit(nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8)), torch.randn(2, 3, 16, 16))
+    assert r.ok, r
+
+class ToCL(nn.Module):
+    def forward(self, x): return x.contiguous(memory_format=torch.channels_last)
+
+def test_conversion_into_channels_last_is_a_convert():
+    r = audit(nn.Sequential(nn.Conv2d(3, 8, 3), ToCL()), torch.randn(2, 3, 16, 16), backward=False)
+    assert rows(r) == [('1', 'aten.clone', 'forward', 'convert')]
+
+# --- strict, errors, no leftovers ---
+
+def test_strict_raises_with_details():
+    with pytest.raises(ChannelsLastError) as e: cl_audit(Wrap(nn.InstanceNorm2d(8)), strict=True)
+    msg = str(e.value)
+    assert "module 'body' (InstanceNorm2d)" in msg and 'aten.clone' in msg and 'strides' in msg and 'forward' in msg
+
+def test_strict_raises_in_backward():
+    m = torchvision.models.mobilenet_v2(weights=None)
+    with pytest.raises(ChannelsLastError, match=r"backward at module 'features.18.2' \(ReLU6\)"): cl_audit(m, size=64, strict=True)
+    assert _get_current_dispatch_mode() is None
+
+def no_leftovers(m):
+    assert _get_current_dispatch_mode() is None
+    for mod in m.modules(): assert not mod._forward_hooks and not mod._forward_pre_hooks
+
+class Boom(nn.Module):
+    def forward(self, x): raise RuntimeError('boom')
+
+def test_hooks_removed_and_mode_exited_when_forward_raises():
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Sequential(nn.ReLU(), Boom()))
+    with pytest.raises(RuntimeError, match='boom'): cl_audit(m)
+    no_leftovers(m)
+    r = cl_audit(nn.Sequential(*m[:1], nn.InstanceNorm2d(8)))   # and the next audit works normally
+    assert set(r.events.module) == {'1'}
+
+class FailBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x): return x.clone()
+    @staticmethod
+    def backward(ctx, g): raise RuntimeError('backward boom')
+
+def test_hooks_removed_and_mode_exited_when_backward_raises():
+    m = Wrap(nn.ReLU(), tail=FailBackward.apply)
+    with pytest.raises(RuntimeError, match='backward boom'): cl_audit(m)
+    no_leftovers(m)
+
+def test_audit_leaves_gradients_and_statistics_alone():
+    m = model_to(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)))
+    m[0].weight.grad = g = torch.ones_like(m[0].weight)
+    mean = m[1].running_mean.clone()
+    audit(m, to_channels_last(torch.randn(2, 3, 16, 16)))
+    assert m[0].weight.grad is g and m[0].bias.grad is None and torch.equal(m[1].running_mean, mean)
+    assert m[1].num_batches_tracked.item() == 0
+
+def test_bad_input():
+    with pytest.raises(TypeError, match='nn.Module'): audit(lambda x: x, torch.randn(1))
+    with pytest.raises(ValueError, match='backward=False'): audit(nn.Identity(), torch.randn(2, 3, 4, 4))
+    assert audit(nn.Identity(), torch.randn(2, 3, 4, 4), backward=False).ok
+
+# --- the report ---
+
+def test_report_api():
+    m = Wrap(nn.Sequential(nn.InstanceNorm2d(8), nn.ReLU(), nn.InstanceNorm2d(8)))
+    r = cl_audit(m)
+    assert list(r.events.columns) == COLS and not r.ok
+    s = r.summary()
+    assert list(s.columns) == ['module_type', 'op', 'count', 'bytes']
+    row = s[(s.module_type == 'InstanceNorm2d') & (s.op == 'aten.clone')].iloc[0]
+    assert row['count'] == 1 and row['bytes'] == 2*8*16*16*4   # the second norm gets the already-converted tensor
+    assert s['bytes'].sum() == r.events.bytes.sum() and s['count'].sum() == len(r.events)
+    assert 'InstanceNorm2d' in str(r) and f'{len(r.events)} events' in str(r)
+    html = r._repr_html_()
+    assert '<table' in html and 'body.0' in html
+    ax = r.plot()
+    assert len(ax.patches) == r.events.module.nunique() and 'body.0' in ax.get_yticklabels()[-1].get_text()
+
+def test_empty_report():
+    r = ChannelsLastReport()
+    assert r.ok and list(r.events.columns) == COLS and len(r.summary()) == 0
+    assert 'no channels-last events' in str(r) and 'no channels-last events' in r._repr_html_()
+
+# --- fastai ---
+
+def make_learner(size):
+    xs, ys = torch.randn(8, 3, size, size), torch.randint(0, 2, (8,))
+    dls = DataLoaders.from_dsets(list(zip(xs, ys)), list(zip(xs, ys)), bs=4)
+    return vision_learner(dls, resnet18, pretrained=False, n_out=2, loss_func=CrossEntropyLossFlat())
+
+def test_learner_audit_restores_the_model():
+    learn = make_learner(64).to_channelslast(use_amp=False)
+    learn.model.eval(); learn.model[1].train()
+    w = learn.model[0][0].weight
+    data_ptr, mean = w.data_ptr(), learn.model[0][1].running_mean.clone()
+    r = learn.audit_channelslast(n_batches=2)
+    # fastai's AdaptiveConcatPool2d head at 2x2: max-pool and avg-pool gradients meet in different layouts
+    assert set(r.events.module) == {'1.0.mp'} and set(r.events.phase) == {'backward'} and len(r.events) == 2
+    assert learn.model[0][0].weight is w and w.data_ptr() == data_ptr and not is_channels_last(w) and w.grad is None
+    assert not learn.model[0].training and learn.model[1].training
+    assert torch.equal(learn.model[0][1].running_mean, mean)
+
+def test_learner_audit_without_channels_last_callback():
+    r = make_learner(64).audit_channelslast()   # model left contiguous, as the learner would train it
+    assert r.ok, r
+    with pytest.raises(ValueError, match='n_batches'): make_learner(32).audit_channelslast(n_batches=0)
+
+def test_callback_warns_once():
+    learn = make_learner(64).to_channelslast(use_amp=False)
+    cb = ChannelsLastAudit()
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        learn.fit(1, cbs=cb)
+    msgs = [str(w.message) for w in ws if 'channels-last audit' in str(w.message)]
+    assert len(msgs) == 1 and 'AdaptiveMaxPool2d' in msgs[0]
+    assert set(cb.report.events.module) == {'1.0.mp'}
+
+def test_callback_silent_when_clean():
+    learn = make_learner(32).to_channelslast(use_amp=False)   # 1x1 final map: ambiguous, nothing to lose
+    cb = ChannelsLastAudit()
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter('always')
+        learn.fit(1, cbs=cb)
+    assert cb.report is not None and cb.report.ok
+    assert not [w for w in ws if 'channels-last audit' in str(w.message)]
+
+@pytest.mark.cuda
+def test_cuda():
+    m = Wrap(nn.Sequential(nn.ReLU(), nn.InstanceNorm2d(8))).cuda()
+    r = audit(model_to(m), to_channels_last(torch.randn(2, 3, 16, 16, device='cuda')))
+    assert 'body.1' in set(r.events.module)
+    r = audit(model_to(torchvision.models.resnet18(weights=None).cuda()), to_channels_last(torch.randn(2, 3, 64, 64, device='cuda')))
+    assert r.ok, r
+
+class Branches(nn.Module):
+    "SelectiveKernel's stack of two channels-last branches: 4D maps into one 5D tensor, channels still innermost"
+    def __init__(self): super().__init__(); self.a, self.b = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 1)
+    def forward(self, x): return torch.stack([self.a(x), self.b(x)], 1).sum(1)
+
+def test_rank_change_is_not_lost():
+    r = cl_audit(Wrap(Branches()))
+    assert r.ok, r
+    r = cl_audit(timm.create_model('skresnet18', pretrained=False), size=32)
+    assert r.ok, r
+
+# --- the coverage script ---
+
+def test_audit_models_cli(tmp_path):
+    from clfast.audit_models import main
+    df = main(['--source', 'torchvision', '--models', 'squeezenet1_1', 'mobilenet_v2', '--out', str(tmp_path/'cov')])
+    csv = __import__('pandas').read_csv(tmp_path/'cov.csv', keep_default_na=False)
+    assert csv.model.tolist() == ['squeezenet1_1', 'mobilenet_v2'] and csv.events_backward.tolist() == [0, 1]
+    assert 'features.18.2 (ReLU6)' in (tmp_path/'cov.md').read_text()
+    with pytest.raises(SystemExit): main(['--models', 'resnet18'])           # which zoo is ambiguous
+    with pytest.raises(SystemExit): main(['--size', '0', '--out', str(tmp_path/'x')])
+
+@pytest.mark.slow
+def test_audit_models_zoo(tmp_path):
+    from clfast.audit_models import main
+    df = main(['--source', 'torchvision', '--models', 'resnet18', 'resnet50', 'squeezenet1_0', 'mnasnet0_5',
+               'vgg11', 'shufflenet_v2_x1_0', '--out', str(tmp_path/'cov')]).set_index('model')
+    events = df.events_forward + df.events_backward
+    assert (events[['resnet18', 'resnet50', 'squeezenet1_0', 'mnasnet0_5']] == 0).all()
+    assert df.worst_module['vgg11'] == '(root) (VGG)' and df.worst_module['shufflenet_v2_x1_0'] == 'stage2.0 (InvertedResidual)'

@@ -222,21 +222,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(const Tensor& dout, const Tensor&
         scalar_t* __restrict__ o = dyp + r * c;
         if (relu && has_res) {
           const scalar_t* __restrict__ rr = rp + r * c;
-          if (drp) {
-            scalar_t* __restrict__ d = drp + r * c;
-            for (int64_t j = 0; j < c; ++j) {
-              const opmath_t xv = opmath_t(xr[j]);
-              const opmath_t z = xv * sc[j] + sh[j] + opmath_t(rr[j]);
-              const bool on = z > opmath_t(0);
-              const opmath_t g = on ? opmath_t(gr[j]) : opmath_t(0);
-              o[j] = scalar_t(g * Ap[j] + (xv - mu[j]) * Bp[j] + Dp[j]);
-              d[j] = on ? gr[j] : scalar_t(0);
-            }
-          } else for (int64_t j = 0; j < c; ++j) {
+          for (int64_t j = 0; j < c; ++j) {
             const opmath_t xv = opmath_t(xr[j]);
             const opmath_t z = xv * sc[j] + sh[j] + opmath_t(rr[j]);
             const opmath_t g = z > opmath_t(0) ? opmath_t(gr[j]) : opmath_t(0);
             o[j] = scalar_t(g * Ap[j] + (xv - mu[j]) * Bp[j] + Dp[j]);
+          }
+          if (drp) {  // a second sweep over the row (in L1) keeps both loops vectorized
+            scalar_t* __restrict__ d = drp + r * c;
+            for (int64_t j = 0; j < c; ++j) {
+              const opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j] + opmath_t(rr[j]);
+              d[j] = scalar_t(z > opmath_t(0) ? opmath_t(gr[j]) : opmath_t(0));  // exact: dout or 0
+            }
           }
         } else if (relu) {
           for (int64_t j = 0; j < c; ++j) {
@@ -248,6 +245,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(const Tensor& dout, const Tensor&
         } else {
           for (int64_t j = 0; j < c; ++j)
             o[j] = scalar_t(opmath_t(gr[j]) * Ap[j] + (opmath_t(xr[j]) - mu[j]) * Bp[j] + Dp[j]);
+          if (drp) std::copy(gr, gr + c, drp + r * c);
         }
       }
     });

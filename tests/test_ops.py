@@ -227,3 +227,35 @@ def test_opcheck_cuda():
     to = lambda a: tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in a)
     for op, key in ((ops.bn_stats_op, 'stats'), (ops.bn_act_fwd_op, 'fwd'), (ops.bn_act_bwd_op, 'bwd')):
         for a in args[key]: torch.library.opcheck(op, to(a))
+
+class _BnAct(torch.autograd.Function):
+    "Test-only autograd wrapper: statistics (training) or running stats (eval) + fused fwd, fused bwd"
+    @staticmethod
+    def forward(ctx, y, w, b, r, relu, training, rm, rv):
+        mean, var = ops.bn_stats(y) if training else (rm, rv)
+        invstd = (var + 1e-5).rsqrt()
+        ctx.save_for_backward(y, w, b, r, mean, invstd)
+        ctx.relu, ctx.training = relu, training
+        return ops.bn_act_fwd(y, mean, invstd, w, b, r, relu)
+    @staticmethod
+    def backward(ctx, g):
+        y, w, b, r, mean, invstd = ctx.saved_tensors
+        return (*ops.bn_act_bwd(g.contiguous(memory_format=torch.channels_last), y, mean, invstd, w, b, r,
+                                ctx.relu, ctx.training), None, None, None, None)
+
+@pytest.mark.parametrize('relu,res,training', [(True, True, True), (True, False, False), (False, True, False),
+                                               (False, False, True)])
+def test_gradcheck_fp64(relu, res, training, device='cpu'):
+    "float64 gradcheck of the kernels' backward, batch statistics included (their dependence on y)"
+    cl, kw = torch.channels_last, dict(dtype=torch.float64, device=device)
+    y = torch.randn(2, 3, 3, 3, **kw).to(memory_format=cl).requires_grad_()
+    w = (torch.rand(3, **kw) + .5).requires_grad_()
+    b = torch.randn(3, **kw, requires_grad=True)
+    r = torch.randn(2, 3, 3, 3, **kw).to(memory_format=cl).requires_grad_() if res else None
+    rm, rv = torch.randn(3, **kw), torch.rand(3, **kw) + .5
+    f = lambda y, w, b, *r: _BnAct.apply(y, w, b, r[0] if r else None, relu, training, rm, rv)
+    assert torch.autograd.gradcheck(f, (y, w, b, *([r] if res else [])))
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('relu,res,training', [(True, True, True), (False, False, False)])
+def test_gradcheck_fp64_cuda(relu, res, training): test_gradcheck_fp64(relu, res, training, 'cuda')

@@ -60,7 +60,9 @@ def check(shape, dt, cl, affine, res, relu, training, device='cpu', seed=0):
         torch.testing.assert_close(out.double(), out64.detach(), **TOL[dt])
         dy, dw, db, dr = bwd(dout, y, mean, invstd, w, b, r, relu, training)
         assert dy.dtype == dt
-        torch.testing.assert_close(dy.double(), g64[0], **TOL[dt])
+        # dy's terms scale with invstd*|w|, and cancel when M is tiny (M=2: x_hat = +-1): scale atol with them
+        k = (invstd * (1 if w is None else w.abs())).max().item()
+        torch.testing.assert_close(dy.double(), g64[0], atol=TOL[dt]['atol'] * max(1, k), rtol=TOL[dt]['rtol'])
         for got, exp in zip((dw, db), g64[1:3]):
             if exp is None: assert got is None
             else:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 "Convert nbdev notebooks to and from percent-format scripts, so notebooks can be edited from the terminal."
-import json, re, sys
+import hashlib, json, re, sys
 from pathlib import Path
 
 MD, CODE = '# %% [markdown]', '# %%'
@@ -18,7 +18,9 @@ def pct2nb(src:Path, dst:Path):
         if kind == 'markdown': text = '\n'.join(re.sub(r'^# ?', '', l) for l in text.split('\n'))
         src_lines = [l + '\n' for l in text.split('\n')]
         if src_lines: src_lines[-1] = src_lines[-1].rstrip('\n')
-        cell = dict(cell_type=kind, metadata={}, source=src_lines)
+        # nbdev names cells by id in the exported modules: ids must be stable, so derive them from position and text
+        cid = hashlib.sha1(f'{len(cells)}:{text}'.encode()).hexdigest()[:8]
+        cell = dict(cell_type=kind, id=cid, metadata={}, source=src_lines)
         if kind == 'code': cell.update(execution_count=None, outputs=old.get(text, []))
         cells.append(cell)
     for line in src.read_text().split('\n'):
@@ -41,7 +43,18 @@ def nb2pct(src:Path, dst:Path):
         out.append('')
     dst.write_text('\n'.join(out))
 
+def add_ids(path:Path):
+    "Give every cell of the notebook at `path` that has none a stable id"
+    nb = json.loads(path.read_text())
+    for i, c in enumerate(nb['cells']):
+        if not c.get('id'): c['id'] = hashlib.sha1(f"{i}:{''.join(c['source'])}".encode()).hexdigest()[:8]
+    nb['nbformat'], nb['nbformat_minor'] = 4, max(nb.get('nbformat_minor', 5), 5)
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + '\n')
+
 if __name__ == '__main__':
+    if sys.argv[1:2] == ['--add-ids']:
+        for p in sys.argv[2:]: add_ids(Path(p))
+        sys.exit()
     if len(sys.argv) != 3: sys.exit('usage: nbpct.py SRC DST  (one of them .ipynb, the other .py)')
     a, b = map(Path, sys.argv[1:])
     (pct2nb if b.suffix == '.ipynb' else nb2pct)(a, b)

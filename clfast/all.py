@@ -1,0 +1,7 @@
+"`from clfast.all import *`: the whole public API, and `Learner` patched with `to_channelslast`, `to_contiguous` and `audit_channelslast`."
+# Hand-written, as fastai's own `all.py` modules: re-exports only, nothing to document in a notebook.
+from .core import *
+from .amp import *
+from .callback import *
+from .audit import *
+from .ops import bn_stats, bn_act_fwd, bn_act_bwd

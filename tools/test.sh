@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# clfast's test command: installs what the tests need into .venv, checks that notebooks, library and README are in
+# sync (nbdev_export / nbdev_clean / tools/readme.py change nothing), then runs the whole pytest suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || $PY -m venv .venv
+.venv/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
+.venv/bin/python -m pip install -q -e ".[dev]"
+# nbdev v2 (settings.ini) needs fastcore 1.x while fastai needs fastcore 2, so the nbdev tools live in their own venv
+[ -x .venv-nbdev/bin/python ] || $PY -m venv .venv-nbdev
+.venv-nbdev/bin/python -m pip install -q -r tools/nbdev-tools.txt
+
+snapshot() { find nbs clfast README.md -type f \( -name '*.ipynb' -o -name '*.py' -o -name '*.md' \) -not -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha1sum; }
+before=$(snapshot)
+.venv-nbdev/bin/nbdev_export
+.venv-nbdev/bin/nbdev_clean
+.venv/bin/python tools/readme.py
+after=$(snapshot)
+if [ "$before" != "$after" ]; then
+  echo "FAIL: notebooks, library and README were out of sync; nbdev_export/nbdev_clean/tools/readme.py changed:"
+  diff <(echo "$before") <(echo "$after") || true
+  exit 1
+fi
+echo "nbdev sync: notebooks, clfast/ and README.md are in sync"
+exec .venv/bin/python -m pytest -q "$@"

@@ -89,6 +89,9 @@ def section_infer(args):
     variants = {'stock_contiguous': (stock, x), 'stock_cl': (stock_cl, xcl),
                 'fold_cl_onednn': (folded, xcl), 'fold_cl_plain': (folded_plain, xcl)}
     if not args.no_compile:
+        if not args.warm_compile:  # time a cold compile, as a first run sees it, not one served from inductor's cache
+            import torch._inductor.config as icfg
+            icfg.force_disable_caches = True
         compiled = torch.compile(copy.deepcopy(stock_cl))
         t = time.perf_counter()
         with torch.no_grad(): compiled(xcl)
@@ -146,6 +149,7 @@ def main(argv=None):
     p.add_argument('--bs', type=int, default=8); p.add_argument('--px', type=int, default=160)
     p.add_argument('--rounds', type=int, default=5)
     p.add_argument('--no-compile', action='store_true', help='skip the torch.compile variants')
+    p.add_argument('--warm-compile', action='store_true', help="let torch.compile use inductor's on-disk cache")
     p.add_argument('--gpu-bs', type=int, default=256); p.add_argument('--gpu-dtype', default='float16')
     args = p.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, cuda={torch.cuda.is_available()}")

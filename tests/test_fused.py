@@ -186,3 +186,18 @@ def test_to_stock_shares_parameters():
     f.eval(); s.eval()
     x = torch.randn(2, 3, 5, 5)
     torch.testing.assert_close(f(x), s(x))
+
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+def test_torch_compile_fullgraph(mode):
+    "Under torch.compile the op goes through the clfast custom ops (fake impls): one graph, same numbers as eager"
+    torch._dynamo.reset()
+    f = FusedConvBN2d(4, 8, 3, padding=1, mode=mode); g = copy.deepcopy(f)
+    x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
+    r = torch.randn(2, 8, 8, 8, requires_grad=True); r2 = r.detach().clone().requires_grad_()
+    o = torch.compile(f, fullgraph=True)(x, r); o.square().sum().backward()
+    o2 = g(x, r2); o2.square().sum().backward()
+    torch.testing.assert_close(o, o2)
+    torch.testing.assert_close(f.weight.grad, g.weight.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(r.grad, r2.grad)
+    torch.testing.assert_close(f.bn.running_var, g.bn.running_var)
+    assert f.bn.num_batches_tracked == g.bn.num_batches_tracked == 1

@@ -1,0 +1,158 @@
+"""End-to-end benchmarks of clfast.fused / clfast.fuse: saved-activation memory, training step time, inference.
+
+Every ratio is measured side by side in one run (variants interleaved round by round, medians compared), because the
+machine is noisy. Wrap runs in `flock /tmp/clfast-cpu.lock` so they never overlap other benchmarks:
+
+    flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py                  # all CPU sections (+ GPU if present)
+    flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections memory train
+"""
+from __future__ import annotations
+import argparse, copy, statistics, sys, time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch, timm, torchvision
+from torch import nn
+from clfast.fuse import fuse_conv_bn, fold_conv_bn, fusion_report
+
+MiB = 2**20
+
+def timm_resnet50(): return timm.create_model('resnet50', pretrained=False)
+
+def cl(m): return m.to(memory_format=torch.channels_last)
+
+def saved_bytes(model, x):
+    "Bytes of the unique storages autograd saves for backward during one forward (parameters counted apart)"
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    store = {}
+    def pack(t):
+        s = t.untyped_storage()
+        store[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): out = model(x)
+    del out
+    act = sum(n for p, n in store.items() if p not in params)
+    return act, sum(store.values()) - act
+
+def interleaved(fns:dict, rounds:int, warmup:int=1) -> dict:
+    "Median seconds per call of each fn, run round-robin so that machine noise hits all alike"
+    times = {k: [] for k in fns}
+    for r in range(warmup + rounds):
+        for k, f in fns.items():
+            t = time.perf_counter(); f(); dt = time.perf_counter() - t
+            if r >= warmup: times[k].append(dt)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+def train_step_fn(model, x, dev='cpu', amp=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    def f():
+        with torch.autocast(dev, dtype=amp, enabled=amp is not None):
+            loss = model(x).float().logsumexp(1).mean()
+        loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        if dev == 'cuda': torch.cuda.synchronize()
+    return f
+
+def section_memory(args):
+    print(f"\n## CPU memory: timm resnet50, batch {args.bs}, {args.px} px, fp32, channels-last, train mode")
+    torch.manual_seed(0)
+    x = torch.randn(args.bs, 3, args.px, args.px).to(memory_format=torch.channels_last)
+    models = {'stock': cl(timm_resnet50())}
+    for mode in ('speed', 'memory'): models[mode] = fuse_conv_bn(copy.deepcopy(models['stock']), mode)
+    r = fusion_report(models['memory'])
+    print(f"fused {len(r.fused)} (incl. blocks), skipped {len(r.skipped)}: {r.skipped[:3]}")
+    base = None
+    for k, m in models.items():
+        act, par = saved_bytes(m, x)
+        base = base or act
+        print(f"saved activations {k:>7}: {act/MiB:8.1f} MiB ({act/base:6.1%} of stock)   [+ {par/MiB:.1f} MiB parameters]")
+    times = interleaved({k: train_step_fn(m, x) for k, m in models.items()}, args.rounds)
+    for k, t in times.items():
+        print(f"train step {k:>7}: {t*1000:8.1f} ms   ratio stock/{k} = {times['stock']/t:.3f}  ({k}/stock = {t/times['stock']:.3f}x time)")
+
+def section_train(args):
+    print(f"\n## CPU training step: torchvision resnet50, batch {args.bs}, {args.px} px, fp32, channels-last")
+    torch.manual_seed(0)
+    x = torch.randn(args.bs, 3, args.px, args.px).to(memory_format=torch.channels_last)
+    stock = cl(torchvision.models.resnet50())
+    models = {'stock_cl': stock, 'fused_speed': fuse_conv_bn(copy.deepcopy(stock), 'speed')}
+    times = interleaved({k: train_step_fn(m, x) for k, m in models.items()}, args.rounds)
+    for k, t in times.items(): print(f"train step {k:>12}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}")
+
+def section_infer(args):
+    print(f"\n## CPU inference: torchvision resnet50, batch {args.bs}, {args.px} px, fp32, eval, no_grad")
+    torch.manual_seed(0)
+    stock = torchvision.models.resnet50().eval()
+    x = torch.randn(args.bs, 3, args.px, args.px)
+    xcl = x.to(memory_format=torch.channels_last)
+    t = time.perf_counter(); folded = cl(fold_conv_bn(stock)); t_fold = time.perf_counter() - t
+    folded_plain = cl(fold_conv_bn(stock, onednn=False))
+    stock_cl = cl(copy.deepcopy(stock))
+    variants = {'stock_contiguous': (stock, x), 'stock_cl': (stock_cl, xcl),
+                'fold_cl_onednn': (folded, xcl), 'fold_cl_plain': (folded_plain, xcl)}
+    if not args.no_compile:
+        if not args.warm_compile:  # time a cold compile, as a first run sees it, not one served from inductor's cache
+            import torch._inductor.config as icfg
+            icfg.force_disable_caches = True
+        compiled = torch.compile(copy.deepcopy(stock_cl))
+        t = time.perf_counter()
+        with torch.no_grad(): compiled(xcl)
+        t_compile = time.perf_counter() - t
+        variants['compile_cl'] = (compiled, xcl)
+        print(f"torch.compile first call (compile) time: {t_compile:.1f} s;  fold_conv_bn time: {t_fold:.2f} s")
+    def run(m, inp):
+        def f():
+            with torch.no_grad(): m(inp)
+        return f
+    with torch.no_grad():
+        ref = stock(x)
+        for k, (m, inp) in variants.items():
+            err = (m(inp) - ref).abs().max().item()
+            print(f"  {k:>16} max |diff| vs stock: {err:.2e}")
+    times = interleaved({k: run(*v) for k, v in variants.items()}, args.rounds * 2, warmup=2)
+    for k, t in times.items():
+        print(f"inference {k:>16}: {t*1000:8.1f} ms   speedup vs stock_contiguous = {times['stock_contiguous']/t:.3f}"
+              + (f"   vs compile_cl = {times['compile_cl']/t:.3f}" if 'compile_cl' in times else ''))
+
+def section_gpu(args):
+    if not torch.cuda.is_available():
+        print("\n## GPU: no CUDA device here: GPU section UNVERIFIED (not run)"); return
+    bs, px = args.gpu_bs, 224
+    print(f"\n## GPU: torchvision resnet50 AMP ({args.gpu_dtype}) training, batch {bs}, {px} px, synthetic, {torch.cuda.get_device_name()}")
+    dt = getattr(torch, args.gpu_dtype)
+    torch.manual_seed(0)
+    x = torch.randn(bs, 3, px, px, device='cuda')
+    base = torchvision.models.resnet50().cuda()
+    variants = {'contiguous_amp': (lambda: copy.deepcopy(base), x),
+                'cl_amp': (lambda: cl(copy.deepcopy(base)), x.to(memory_format=torch.channels_last)),
+                'fused_speed': (lambda: fuse_conv_bn(cl(copy.deepcopy(base)), 'speed'), x.to(memory_format=torch.channels_last)),
+                'fused_memory': (lambda: fuse_conv_bn(cl(copy.deepcopy(base)), 'memory'), x.to(memory_format=torch.channels_last))}
+    if not args.no_compile:
+        variants['compile_cl_amp'] = (lambda: torch.compile(cl(copy.deepcopy(base))), x.to(memory_format=torch.channels_last))
+    res = {}
+    for k, (make, inp) in variants.items():  # one model at a time so that peak memory is per mode
+        m = make(); torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
+        f = train_step_fn(m, inp, 'cuda', dt)
+        t0 = time.perf_counter(); f(); f(); warm = time.perf_counter() - t0
+        ts = []
+        for _ in range(args.rounds * 4):
+            t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
+        res[k] = (statistics.median(ts), torch.cuda.max_memory_allocated() / 2**30, warm)
+        del m, f
+    for k, (t, mem, warm) in res.items():
+        print(f"{k:>15}: {bs/t:8.0f} img/s  speedup vs contiguous_amp = {res['contiguous_amp'][0]/t:.3f}  "
+              f"peak {mem:.2f} GiB  (first 2 steps {warm:.1f} s)")
+
+SECTIONS = {'memory': section_memory, 'train': section_train, 'infer': section_infer, 'gpu': section_gpu}
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=list(SECTIONS))
+    p.add_argument('--bs', type=int, default=8); p.add_argument('--px', type=int, default=160)
+    p.add_argument('--rounds', type=int, default=5)
+    p.add_argument('--no-compile', action='store_true', help='skip the torch.compile variants')
+    p.add_argument('--warm-compile', action='store_true', help="let torch.compile use inductor's on-disk cache")
+    p.add_argument('--gpu-bs', type=int, default=256); p.add_argument('--gpu-dtype', default='float16')
+    args = p.parse_args(argv)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, cuda={torch.cuda.is_available()}")
+    for s in args.sections: SECTIONS[s](args)
+
+if __name__ == '__main__': main()

@@ -1,0 +1,173 @@
+"Model surgery on real torchvision / timm / fastai models: same state_dict, same parameters, same numbers, undo, fold"
+import copy, io, pickle
+import pytest, torch, timm, torchvision
+from torch import nn
+from fastai.vision.models.xresnet import xresnet18
+from clfast.fused import FusedConvBN2d, PassThroughBN2d
+from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, is_fused, fold_conv_bn, fusion_report, FoldedConv2d
+
+MODELS = {
+    'tv_resnet18': lambda: torchvision.models.resnet18(num_classes=10),
+    'tv_resnet50': lambda: torchvision.models.resnet50(num_classes=10),
+    'timm_resnet18': lambda: timm.create_model('resnet18', pretrained=False, num_classes=10),
+    'timm_resnet50': lambda: timm.create_model('resnet50', pretrained=False, num_classes=10),
+    'fastai_xresnet18': lambda: xresnet18(n_out=10),
+}
+# residual adds fused per model: resnet18 has 8 blocks, resnet50 16
+ADDS = {'tv_resnet18': 8, 'tv_resnet50': 16, 'timm_resnet18': 8, 'timm_resnet50': 16, 'fastai_xresnet18': 8}
+
+def randomize_bn(m):
+    "Non-trivial BN parameters and running stats, so that a wrong fusion cannot hide behind identity BNs"
+    with torch.no_grad():
+        for b in m.modules():
+            if isinstance(b, nn.BatchNorm2d):
+                b.weight.uniform_(0.5, 1.5); b.bias.uniform_(-0.2, 0.2)
+                b.running_mean.uniform_(-0.1, 0.1); b.running_var.uniform_(0.5, 2.)
+    return m
+
+def step(m, x):
+    "One training forward + backward; returns the output and the gradients by parameter name"
+    m.zero_grad()
+    out = m(x)
+    out.square().mean().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+def assert_same_state(a, b, rtol=1e-4, atol=1e-5):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa: torch.testing.assert_close(sa[k], sb[k], rtol=rtol, atol=atol, msg=k)
+
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+@pytest.mark.parametrize('name', list(MODELS))
+def test_surgery_matches_stock(name, mode):
+    torch.manual_seed(0)
+    ref = randomize_bn(MODELS[name]())
+    m = copy.deepcopy(ref)
+    params = list(m.parameters())
+    keys = list(m.state_dict())
+    fuse_conv_bn(m, mode)
+    r = fusion_report(m)
+    assert sum(p == 'conv-bn-add-relu' for _, p in r.fused) == ADDS[name], r
+    assert is_fused(m) and all(a is b for a, b in zip(params, m.parameters())) and len(params) == len(list(m.parameters()))
+    assert list(m.state_dict()) == keys
+    # float64: in fp32 a single ReLU whose input rounds to the other side of 0 changes early gradients by ~1%
+    m.double(); ref.double()
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64).to(memory_format=torch.channels_last)
+    (o1, g1), (o2, g2) = step(m, x), step(ref, x)
+    torch.testing.assert_close(o1, o2, rtol=1e-9, atol=1e-10)
+    for k in g2: torch.testing.assert_close(g1[k], g2[k], rtol=1e-7, atol=1e-10, msg=k)
+    assert_same_state(m, ref, 1e-9, 1e-10)  # running stats and num_batches_tracked updated alike
+    m.float(); ref.float()
+    x = x.float()
+    torch.testing.assert_close(m(x), ref(x), rtol=1e-3, atol=1e-4)  # fp32 training forward
+    m.eval(); ref.eval()
+    with torch.no_grad(): torch.testing.assert_close(m(x), ref(x), rtol=1e-3, atol=1e-4)
+
+@pytest.mark.parametrize('name', ['tv_resnet18', 'timm_resnet18'])
+def test_state_dict_round_trip(name):
+    "A checkpoint of either model loads into the other; unfuse gives back exactly the stock module types"
+    torch.manual_seed(0)
+    stock, fused = randomize_bn(MODELS[name]()), fuse_conv_bn(MODELS[name]())
+    fused.load_state_dict(stock.state_dict())
+    assert_same_state(fused, stock, 0, 0)
+    randomize_bn(fused)
+    stock.load_state_dict(fused.state_dict())
+    assert_same_state(fused, stock, 0, 0)
+    types = [type(a) for a in MODELS[name]().modules()]
+    assert [type(a) for a in unfuse_conv_bn(fused).modules()] == types and not is_fused(fused)
+
+def test_idempotent_and_mode_switch():
+    m = MODELS['tv_resnet18']()
+    fuse_conv_bn(m, 'speed'); n = len(fusion_report(m).fused)
+    fuse_conv_bn(m, 'memory')
+    assert all(c.mode == 'memory' for c in m.modules() if isinstance(c, FusedConvBN2d))
+    assert len(fusion_report(m).fused) == 0 and is_fused(m) and n > 0
+    unfuse_conv_bn(m); unfuse_conv_bn(m)
+    assert not is_fused(m)
+    with pytest.raises(ValueError, match="'speed' or 'memory'"): fuse_conv_bn(m, 'fast')
+
+def test_optimizer_keeps_working():
+    "An optimizer made before fusing (with momentum state) steps the fused model identically to the stock one"
+    torch.manual_seed(0)
+    a = randomize_bn(MODELS['timm_resnet18']()).double(); b = copy.deepcopy(a)
+    oa, ob = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (a, b))
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    for i in range(2):
+        if i == 1: fuse_conv_bn(a)
+        for m, o in ((a, oa), (b, ob)): step(m, x); o.step()
+    assert_same_state(a, b, 1e-7, 1e-9)
+
+def test_pickles_as_stock():
+    "torch.save of a fused model stores only stock classes (loads without clfast); deepcopy stays fused"
+    m = fuse_conv_bn(MODELS['tv_resnet18']())
+    data = pickle.dumps(m)
+    assert b'clfast' not in data
+    loaded = pickle.loads(data)
+    assert not is_fused(loaded) and [type(a) for a in loaded.modules()] == [type(a) for a in MODELS['tv_resnet18']().modules()]
+    assert_same_state(loaded, m, 0, 0)
+    assert is_fused(copy.deepcopy(m))
+    buf = io.BytesIO(); torch.save(m, buf); buf.seek(0)
+    assert not is_fused(torch.load(buf, weights_only=False))
+
+def test_report_and_skips():
+    "Unfusable chains are reported with a reason; a shared ReLU is left alone; a Sequential chain fuses its ReLU"
+    seq = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, padding_mode='reflect'), nn.BatchNorm2d(8),
+                        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1), nn.ReLU(), nn.BatchNorm2d(4))
+    ref = copy.deepcopy(seq)
+    fuse_conv_bn(seq)
+    r = fusion_report(seq)
+    assert r.fused == [('2', 'conv-bn-relu')]
+    reasons = dict(r.skipped)
+    assert 'padding' in reasons['0'] and '7' in reasons
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(seq(x), ref(x), rtol=1e-4, atol=1e-5)
+
+class Untraceable(nn.Module):
+    "Data-dependent control flow: torch.fx cannot trace it, its Sequential children still fuse"
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    def forward(self, x): return self.body(x) if x.sum() > -1e9 else x
+
+def test_untraceable_falls_back_to_sequentials():
+    m = Untraceable(); ref = copy.deepcopy(m)
+    fuse_conv_bn(m)
+    r = fusion_report(m)
+    assert ('body.0', 'conv-bn-relu') in r.fused and any('trace' in why for _, why in r.skipped)
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(m(x), ref(x), rtol=1e-4, atol=1e-5)
+
+@pytest.mark.parametrize('onednn', [True, False])
+@pytest.mark.parametrize('name', ['tv_resnet50', 'timm_resnet18', 'fastai_xresnet18'])
+def test_fold(name, onednn):
+    torch.manual_seed(0)
+    m = randomize_bn(MODELS[name]()).eval()
+    with pytest.raises(RuntimeError, match=r'model.eval\(\)'): fold_conv_bn(copy.deepcopy(m).train())
+    f = fold_conv_bn(m, onednn=onednn)
+    assert not any(isinstance(c, nn.BatchNorm2d) for c in f.modules()) and not is_fused(f)
+    assert any(isinstance(c, nn.BatchNorm2d) for c in m.modules())  # the original is untouched
+    x = torch.randn(2, 3, 64, 64).to(memory_format=torch.channels_last)
+    with torch.no_grad(): torch.testing.assert_close(f(x), m(x), rtol=1e-3, atol=1e-4)
+    loaded = pickle.loads(pickle.dumps(f))  # pickles as stock modules that compute the same
+    assert not any(isinstance(c, FoldedConv2d) for c in loaded.modules())
+    with torch.no_grad(): torch.testing.assert_close(loaded(x), m(x), rtol=1e-3, atol=1e-4)
+
+def test_fold_of_fused_model():
+    m = randomize_bn(MODELS['timm_resnet18']())
+    fuse_conv_bn(m).eval()
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad(): torch.testing.assert_close(fold_conv_bn(m)(x), m(x), rtol=1e-3, atol=1e-4)
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+def test_surgery_cuda_amp(mode):
+    torch.manual_seed(0)
+    ref = randomize_bn(MODELS['tv_resnet50']()).cuda().to(memory_format=torch.channels_last)
+    m = fuse_conv_bn(copy.deepcopy(ref), mode)
+    x = torch.randn(8, 3, 96, 96, device='cuda').to(memory_format=torch.channels_last)
+    for dt, tol in [(torch.float32, 1e-3), (torch.float16, 3e-2), (torch.bfloat16, 6e-2)]:
+        with torch.autocast('cuda', dtype=dt, enabled=dt != torch.float32):
+            (o1, g1), (o2, g2) = step(m, x), step(ref, x)
+        torch.testing.assert_close(o1.float(), o2.float(), rtol=tol, atol=tol)
+        for k in ('fc.weight', 'layer4.2.bn3.weight', 'conv1.weight'):
+            torch.testing.assert_close(g1[k], g2[k], rtol=10 * tol, atol=tol, msg=k)

@@ -1,0 +1,203 @@
+"FusedConvBN2d against the stock Conv2d -> BatchNorm2d (-> + residual) (-> ReLU): outputs, gradients, running stats"
+import copy, io, pickle
+import pytest, torch
+from torch import nn
+from hypothesis import given, settings, strategies as st, HealthCheck
+from clfast.fused import FusedConvBN2d, conv_bn_act
+
+def pair(cin, cout, k=3, stride=1, padding=1, dilation=1, groups=1, bias=False, relu=True, mode='speed',
+         momentum=0.1, affine=True, track=True, device='cpu', dtype=torch.float32):
+    "A standalone FusedConvBN2d and a stock (conv, bn) with identical, non-trivial parameters"
+    f = FusedConvBN2d(cin, cout, k, stride, padding, dilation, groups, bias, momentum=momentum, affine=affine,
+                      track_running_stats=track, relu=relu, mode=mode, device=device, dtype=dtype)
+    with torch.no_grad():
+        if affine: f.bn.weight.uniform_(0.5, 1.5); f.bn.bias.uniform_(-0.5, 0.5)
+        if track: f.bn.running_mean.uniform_(-0.2, 0.2); f.bn.running_var.uniform_(0.5, 2.0)
+    conv = nn.Conv2d(cin, cout, k, stride, padding, dilation, groups, bias, device=device, dtype=dtype)
+    conv.load_state_dict({k: v for k, v in f.state_dict().items() if not k.startswith('bn.')})
+    bn = copy.deepcopy(f.bn)
+    return f, conv, bn
+
+def stock(conv, bn, x, residual=None, relu=True, dy_scale=None):
+    y = conv(x)
+    if dy_scale is not None and y.requires_grad:  # the scale of the conv-output gradient, for a sum that cancels
+        y.register_hook(lambda g: dy_scale.append(g.abs().sum().item()))
+    y = bn(y)
+    if residual is not None: y = y + residual
+    return torch.relu(y) if relu else y
+
+def close(a, b, rtol=1e-4, atol=1e-5, what=''):
+    assert a is not None and b is not None, what
+    torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+def compare(f, conv, bn, x, residual, relu, tol=(1e-4, 1e-5), gtol=(1e-3, 1e-4)):
+    "Forward + backward of fused and stock on clones of the inputs; everything must match"
+    xs = [x.detach().clone().requires_grad_() for _ in range(2)]
+    rs = [None if residual is None else residual.detach().clone().requires_grad_() for _ in range(2)]
+    dy_scale = []
+    of = f(xs[0], rs[0]); os_ = stock(conv, bn, xs[1], rs[1], relu, dy_scale)
+    close(of, os_, *tol, what='output')
+    g = torch.randn_like(os_)
+    of.backward(g); os_.backward(g)
+    close(xs[0].grad, xs[1].grad, *gtol, what='dx')
+    close(f.weight.grad, conv.weight.grad, *gtol, what='dweight')
+    if conv.bias is not None:  # with batch statistics this is a sum that cancels to ~0: compare to its scale
+        close(f.bias.grad, conv.bias.grad, gtol[0], gtol[1] + 1e-4 * dy_scale[0], what='dbias')
+    if bn.affine:
+        close(f.bn.weight.grad, bn.weight.grad, *gtol, what='bn dweight')
+        close(f.bn.bias.grad, bn.bias.grad, *gtol, what='bn dbias')
+    if residual is not None: close(rs[0].grad, rs[1].grad, *gtol, what='dresidual')
+    if bn.track_running_stats:
+        close(f.bn.running_mean, bn.running_mean, 1e-5, 1e-6, what='running_mean')
+        close(f.bn.running_var, bn.running_var, 1e-5, 1e-6, what='running_var')
+        assert f.bn.num_batches_tracked == bn.num_batches_tracked
+
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+@pytest.mark.parametrize('train', [True, False])
+@pytest.mark.parametrize('relu,res', [(True, True), (False, True), (True, False)])
+def test_gradcheck(mode, train, relu, res):
+    f = FusedConvBN2d(3, 4, 3, stride=2, padding=1, bias=True, relu=relu, mode=mode, dtype=torch.float64)
+    with torch.no_grad(): f.bn.weight.uniform_(0.5, 1.5); f.bn.bias.uniform_(-0.5, 0.5); f.bn.running_var.fill_(1.5)
+    f.train(train)
+    f.bn.momentum = 0.  # running stats frozen so that repeated evaluations see the same module
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True) if res else None
+    fn = lambda x, w, b, bw, bb, *r: conv_bn_act(x, f, f.bn, r[0] if r else None, relu, mode)
+    inputs = (x, f.weight, f.bias, f.bn.weight, f.bn.bias) + ((r,) if res else ())
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
+
+shapes = st.fixed_dictionaries(dict(
+    n=st.sampled_from([1, 2, 3]), hw=st.sampled_from([1, 2, 5, 8]), cin=st.sampled_from([1, 3, 4]),
+    cout=st.sampled_from([1, 3, 17]), k=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]),
+    dilation=st.sampled_from([1, 2]), grouping=st.sampled_from(['none', 'groups', 'depthwise']), bias=st.booleans(),
+    cl=st.booleans(), relu=st.booleans(), res=st.booleans(), mode=st.sampled_from(['speed', 'memory']),
+    momentum=st.sampled_from([0.1, None]), affine=st.booleans(), track=st.booleans(), train=st.booleans()))
+
+def _build(s, device='cpu'):
+    cin, cout, groups = s['cin'], s['cout'], 1
+    if s['grouping'] == 'depthwise': cout, groups = cin, cin
+    elif s['grouping'] == 'groups' and cin % 2 == 0 and cout % 2 == 0: groups = 2
+    pad = s['dilation'] * (s['k'] - 1) // 2
+    f, conv, bn = pair(cin, cout, s['k'], s['stride'], pad, s['dilation'], groups, s['bias'], s['relu'], s['mode'],
+                       s['momentum'], s['affine'], s['track'], device=device)
+    for m in (f, conv, bn): m.train(s['train'])
+    x = torch.randn(s['n'], cin, s['hw'], s['hw'], device=device)
+    if s['cl']: x = x.to(memory_format=torch.channels_last)
+    with torch.no_grad(): out_shape = conv(x).shape
+    r = torch.randn(out_shape, device=device) if s['res'] else None
+    if r is not None and s['cl']: r = r.to(memory_format=torch.channels_last)
+    return f, conv, bn, x, r, out_shape
+
+def _check_case(s, device='cpu'):
+    torch.manual_seed(0)  # hypothesis runs many examples per test: each one reproducible on its own
+    f, conv, bn, x, r, out_shape = _build(s, device)
+    batch_stats = s['train'] or not s['track']
+    if batch_stats and out_shape[0] * out_shape[2] * out_shape[3] == 1:
+        with pytest.raises(ValueError) as stock_err: stock(conv, bn, x, r, s['relu'])
+        with pytest.raises(ValueError, match='more than 1 value per channel') as fused_err: f(x, r)
+        assert str(fused_err.value) == str(stock_err.value)
+        return
+    compare(f, conv, bn, x, r, s['relu'])
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes)
+def test_matches_stock(s): _check_case(s)
+
+@pytest.mark.cuda
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shapes)
+def test_matches_stock_cuda(s): _check_case(s, 'cuda')
+
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+def test_two_steps_then_eval(mode):
+    "Running stats accumulate over steps (momentum None = cumulative average), then eval uses them"
+    f, conv, bn = pair(4, 6, momentum=None, mode=mode)
+    for _ in range(3): compare(f, conv, bn, torch.randn(3, 4, 6, 6), None, True)
+    f.eval(); conv.eval(); bn.eval()
+    f.zero_grad(); conv.zero_grad(); bn.zero_grad()
+    compare(f, conv, bn, torch.randn(3, 4, 6, 6), torch.randn(3, 6, 6, 6), True)
+
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=pytest.mark.cuda)])
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+def test_autocast(device, dtype, mode):
+    "Under autocast: output in the autocast dtype, fp32 weight grads and stats, values within low-precision tolerance"
+    f, conv, bn = pair(8, 16, mode=mode, device=device)
+    x = torch.randn(4, 8, 10, 10, device=device).to(memory_format=torch.channels_last).requires_grad_()
+    r = torch.randn(4, 16, 10, 10, device=device).to(dtype).requires_grad_()
+    xs, rs = x.detach().clone().requires_grad_(), r.detach().clone().requires_grad_()
+    with torch.autocast(device, dtype=dtype):
+        of, os_ = f(x, r), stock(conv, bn, xs, rs)
+    assert of.dtype == os_.dtype == dtype
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.float16 else dict(rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(of.float(), os_.float(), **tol)
+    g = torch.randn_like(of)
+    of.backward(g); os_.backward(g)
+    assert f.weight.grad.dtype == f.bn.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    assert r.grad.dtype == dtype
+    # a ReLU mask may flip where the stock rounds the BN output to low precision before the ReLU and the op does not
+    for a, b in [(x.grad, xs.grad), (r.grad, rs.grad)]:
+        bad = ~torch.isclose(a.float(), b.float(), **tol)
+        assert bad.float().mean() < 2e-3, f"{bad.sum()} of {bad.numel()} gradient elements differ"
+    for a, b in [(f.bn.weight.grad, bn.weight.grad), (f.bn.bias.grad, bn.bias.grad)]:
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+    torch.testing.assert_close(f.weight.grad, conv.weight.grad, rtol=5e-2, atol=0.5)  # sums over 400 bf16 products
+    torch.testing.assert_close(f.bn.running_mean, bn.running_mean, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(f.bn.running_var, bn.running_var, rtol=1e-2, atol=1e-2)
+
+def test_memory_mode_saves_less():
+    "'memory' keeps the conv input (already held by the graph) and per-channel stats instead of the conv output"
+    def saved(mode):
+        f = FusedConvBN2d(16, 16, 3, padding=1, mode=mode)
+        x = torch.randn(2, 16, 16, 16, requires_grad=True)
+        store = {}
+        def pack(t): store[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes(); return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): f(x)
+        return sum(store.values())
+    act = 2 * 16 * 16 * 16 * 4
+    assert saved('speed') >= 2 * act and saved('memory') < act + 16 * 16 * 9 * 4 + 1024
+
+def test_errors():
+    with pytest.raises(ValueError, match="'speed' or 'memory'"): FusedConvBN2d(3, 4, 1, mode='fast')
+    with pytest.raises(ValueError, match='expected 4D input'): FusedConvBN2d(3, 4, 1)(torch.randn(3, 5, 5))
+    with pytest.raises(ValueError, match="padding='same'"): FusedConvBN2d(3, 4, 2, padding='same')
+
+def test_same_and_valid_padding():
+    for pad in ('same', 'valid'):
+        f, conv, bn = pair(3, 5, k=3, padding=pad)
+        compare(f, conv, bn, torch.randn(2, 3, 7, 7), None, True)
+
+def test_standalone_pickle_and_deepcopy():
+    f = FusedConvBN2d(3, 4, 3, padding=1, relu=False, mode='memory')
+    buf = io.BytesIO(); torch.save(f, buf); buf.seek(0)
+    g = torch.load(buf, weights_only=False)
+    h = copy.deepcopy(f)
+    x = torch.randn(2, 3, 5, 5)
+    for m in (g, h):
+        assert type(m) is FusedConvBN2d and m.mode == 'memory' and m.relu is False and m.fused_bn is m.bn
+        m.eval()
+    f.eval()
+    torch.testing.assert_close(f(x), g(x)); torch.testing.assert_close(f(x), h(x))
+
+def test_to_stock_shares_parameters():
+    f = FusedConvBN2d(3, 4, 3, padding=1, bias=True)
+    s = f.to_stock()
+    assert s[0].weight is f.weight and s[0].bias is f.bias and s[1] is f.bn and isinstance(s[2], nn.ReLU)
+    f.eval(); s.eval()
+    x = torch.randn(2, 3, 5, 5)
+    torch.testing.assert_close(f(x), s(x))
+
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+def test_torch_compile_fullgraph(mode):
+    "Under torch.compile the op goes through the clfast custom ops (fake impls): one graph, same numbers as eager"
+    torch._dynamo.reset()
+    f = FusedConvBN2d(4, 8, 3, padding=1, mode=mode); g = copy.deepcopy(f)
+    x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
+    r = torch.randn(2, 8, 8, 8, requires_grad=True); r2 = r.detach().clone().requires_grad_()
+    o = torch.compile(f, fullgraph=True)(x, r); o.square().sum().backward()
+    o2 = g(x, r2); o2.square().sum().backward()
+    torch.testing.assert_close(o, o2)
+    torch.testing.assert_close(f.weight.grad, g.weight.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(r.grad, r2.grad)
+    torch.testing.assert_close(f.bn.running_var, g.bn.running_var)
+    assert f.bn.num_batches_tracked == g.bn.num_batches_tracked == 1

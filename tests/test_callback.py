@@ -172,3 +172,39 @@ def test_cuda_fp16_overflow_skips_step():
     _fit(learn, Count())
     assert steps[-1][0] < 2.**60                          # the scaler backed off...
     assert steps[-1][1] < len(steps)                      # ...and the overflowing steps were skipped
+
+def test_fuse_keeps_state_dict_and_to_contiguous_unfuses():
+    from clfast.fuse import is_fused
+    from clfast.fused import FusedConvBN2d
+    learn = tiny_learner()
+    sd_keys = list(learn.model.state_dict())
+    params = list(learn.model.parameters())
+    learn.to_channelslast(use_amp=False, fuse='speed')
+    assert is_fused(learn.model) and isinstance(learn.model[0][0], FusedConvBN2d)
+    assert list(learn.model.parameters()) == params and list(learn.model.state_dict()) == sd_keys
+    _fit(learn)
+    learn.to_channelslast(use_amp=False, fuse='memory')          # switches mode, still one callback
+    assert learn.model[0][0].mode == 'memory' and sum(isinstance(c, ChannelsLast) for c in learn.cbs) == 1
+    learn.to_contiguous()
+    assert not is_fused(learn.model) and type(learn.model[0][0]) is nn.Conv2d and type(learn.model[0][1]) is nn.BatchNorm2d
+    _fit(learn)
+
+def test_fused_training_matches_stock():
+    res = []
+    for fuse in (False, 'speed', 'memory'):
+        set_seed(2)
+        learn = _fit(tiny_learner().to_channelslast(use_amp=False, fuse=fuse), n=1)
+        res.append(torch.cat([p.detach().flatten() for p in learn.model.parameters()]))
+        res[-1] = torch.cat([res[-1], learn.model[0][1].running_var])
+    torch.testing.assert_close(res[1], res[0], rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(res[2], res[0], rtol=1e-3, atol=1e-4)
+
+def test_callback_fuse_argument_and_bad_fuse():
+    from clfast.fuse import is_fused
+    learn = _fit(tiny_learner(cbs=ChannelsLast(fuse='memory')))
+    assert is_fused(learn.model) and learn.model[0][0].mode == 'memory'
+    learn2 = tiny_learner()
+    with pytest.raises(ValueError, match="Unknown fuse 'fast'"): learn2.to_channelslast(fuse='fast')
+    assert not is_fused(learn2.model) and not hasattr(learn2, 'channels_last')
+    learn.to_channelslast(fuse=False)
+    assert not is_fused(learn.model)

@@ -81,6 +81,7 @@ params = list(learn.model.parameters())
 assert all(p.dtype == torch.float32 for p in params), "weights not fp32"
 assert all(p.is_contiguous() for p in params), "weights not contiguous"
 assert not hasattr(learn, 'channels_last') and not hasattr(learn, 'mixed_precision')
+assert not [type(m) for m in learn.model.modules() if type(m).__module__.startswith('clfast')], "fused modules exported"
 x = torch.load(sys.argv[2])
 learn.model.eval()
 with torch.no_grad(): out = learn.model(x)
@@ -95,8 +96,9 @@ def _env_with_clfast():
     return {**os.environ, 'PYTHONPATH': os.pathsep.join([root, os.environ.get('PYTHONPATH', '')])}
 
 @pytest.mark.slow
-def test_export_load_learner_fresh_process(digit_files, tmp_path):
-    learn = vision_learner(_cls_dls(digit_files), resnet18, pretrained=False).to_channelslast(amp_mode=AMP)
+@pytest.mark.parametrize('fuse', [False, 'speed'])
+def test_export_load_learner_fresh_process(digit_files, tmp_path, fuse):
+    learn = vision_learner(_cls_dls(digit_files), resnet18, pretrained=False).to_channelslast(amp_mode=AMP, fuse=fuse)
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore'); learn.fit(1, 1e-3)
     learn.path = tmp_path

@@ -16,6 +16,7 @@ def run_notebook(path:Path):
     "Execute the notebook at `path` in this process, stopping at the first failing cell"
     from fastcore.nbio import read_nb
     from execnb.shell import CaptureShell
+    path = path.resolve()
     os.chdir(path.parent)
     shell = CaptureShell()
     shell.run_cell("import matplotlib; matplotlib.use('Agg')")

@@ -79,14 +79,16 @@ def auto_amp(device) -> str:
     if device.type == 'cpu' and torch.float16 in cpu_native_dtypes() and torch.bfloat16 not in cpu_native_dtypes(): return 'fp16'
     return 'fp16' if device.type in ('cuda', 'mps') else 'bf16'
 
-# %% ../nbs/03_demo.ipynb #ced289f9
-def run_demo(arch:str='simple', epochs:int=3, device=None, amp:str='auto', bs:int=64, lr:float=3e-3, seed:int=42):
+# %% ../nbs/03_demo.ipynb #cde2b7c0
+def run_demo(arch:str='simple', epochs:int=3, device=None, amp:str='auto', bs:int=64, lr:float=3e-3, seed:int=42,
+             fuse:str|None=None):
     "Train on the digits contiguous fp32, then with `to_channelslast`; return one result dict per setup"
     device = torch.device(device or default_device())
     amp = auto_amp(device) if amp == 'auto' else amp
+    args = [f"amp_mode={amp!r}" if amp != 'none' else 'use_amp=False'] + ([f"fuse={fuse!r}"] if fuse else [])
     setups = [('contiguous fp32', lambda l: l),
-              (f"to_channelslast(amp_mode={amp!r})" if amp != 'none' else 'to_channelslast(use_amp=False)',
-               lambda l: l.to_channelslast(use_amp=amp != 'none', amp_mode='fp16' if amp == 'none' else amp))]
+              (f"to_channelslast({', '.join(args)})",
+               lambda l: l.to_channelslast(use_amp=amp != 'none', amp_mode='fp16' if amp == 'none' else amp, fuse=fuse or False))]
     results = []
     for name, setup in setups:
         set_seed(seed, reproducible=True)
@@ -118,7 +120,7 @@ def format_results(results, arch, epochs, bs) -> str:
     if notes: lines += [''] + [f"note: {m}" for m in notes]
     return '\n'.join(lines)
 
-# %% ../nbs/03_demo.ipynb #68901499
+# %% ../nbs/03_demo.ipynb #20ad5ed9
 def main(argv=None):
     "Command line of `clfast demo`"
     p = argparse.ArgumentParser(prog='clfast demo', description=
@@ -128,10 +130,12 @@ def main(argv=None):
     p.add_argument('--device', default=None, help="cpu, cuda, cuda:1, mps (default: fastai's default device)")
     p.add_argument('--amp', default='auto', choices=['auto', 'fp16', 'bf16', 'none'],
                    help="mixed precision of the channels-last run (auto: fp16 on GPUs, bf16 on CPUs)")
+    p.add_argument('--fuse', default=None, choices=['speed', 'memory'],
+                   help="also fuse conv-BN-ReLU blocks in the channels-last run")
     p.add_argument('--bs', type=int, default=64)
     p.add_argument('--seed', type=int, default=42)
     a = p.parse_args(argv)
     if a.epochs < 1: p.error('--epochs must be at least 1')
-    res = run_demo(a.arch, a.epochs, a.device, a.amp, a.bs, seed=a.seed)
+    res = run_demo(a.arch, a.epochs, a.device, a.amp, a.bs, seed=a.seed, fuse=a.fuse)
     print(format_results(res, a.arch, a.epochs, a.bs))
     return res

@@ -4,12 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# pip's output goes to a log, shown only when an install fails
+pip_install() { local venv=$1; shift; "$venv/bin/python" -m pip install -q "$@" >"$venv/pip.log" 2>&1 || { cat "$venv/pip.log"; exit 1; }; }
 [ -x .venv/bin/python ] || $PY -m venv .venv
-.venv/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1
-.venv/bin/python -m pip install -q -e ".[dev]"
+pip_install .venv torch==2.14.1 torchvision==0.29.1
+pip_install .venv -e ".[dev]"
 # nbdev v2 (settings.ini) needs fastcore 1.x while fastai needs fastcore 2, so the nbdev tools live in their own venv
 [ -x .venv-nbdev/bin/python ] || $PY -m venv .venv-nbdev
-.venv-nbdev/bin/python -m pip install -q -r tools/nbdev-tools.txt
+pip_install .venv-nbdev -r tools/nbdev-tools.txt
+echo "installed: $(.venv/bin/python -c 'import torch, fastai, timm; print("torch", torch.__version__, "fastai", fastai.__version__, "timm", timm.__version__)')"
 
 snapshot() { find nbs clfast README.md -type f \( -name '*.ipynb' -o -name '*.py' -o -name '*.md' \) -not -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha1sum; }
 before=$(snapshot)

@@ -4,4 +4,6 @@ from .core import *
 from .amp import *
 from .callback import *
 from .audit import *
+from .fused import *
+from .fuse import *
 from .ops import bn_stats, bn_act_fwd, bn_act_bwd

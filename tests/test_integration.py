@@ -112,3 +112,25 @@ def test_export_load_learner_fresh_process(digit_files, tmp_path, fuse):
     r = subprocess.run([sys.executable, str(script), str(tmp_path/'export.pkl'), str(tmp_path/'x.pt'), str(tmp_path/'out.pt')],
                        capture_output=True, text=True, cwd=tmp_path, env=_env_with_clfast())
     assert r.returncode == 0 and 'OK' in r.stdout, r.stderr[-3000:]
+
+def test_model_converted_before_ddp_wraps_it(tmp_path):
+    "A real DistributedDataParallel (gloo, world size 1), wrapped at DistributedTrainer's order 11, gets channels-last parameters"
+    import socket, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from clfast.core import is_channels_last
+    from helpers import tiny_learner
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)
+    try:
+        wrapped = []
+        class WrapDDP(Callback):
+            order = 11   # fastai's DistributedTrainer
+            def before_fit(self):
+                wrapped.append(all(is_channels_last(p) for p in self.learn.model.parameters() if p.dim() == 4))
+                self.learn.model = DDP(self.learn.model)
+            def after_fit(self): self.learn.model = self.learn.model.module
+        learn = tiny_learner().to_channelslast(use_amp=False)
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3, cbs=WrapDDP())
+        assert wrapped == [True]
+        assert all(is_channels_last(p) and is_channels_last(p.grad) for p in learn.model.parameters() if p.dim() == 4 and p.shape[1] > 1)
+    finally: dist.destroy_process_group()

@@ -32,7 +32,7 @@ def fuse_mode(fuse:str|bool|None) -> str|None:
     raise ValueError(f"Unknown fuse {fuse!r}: use 'speed' (fused conv-BN, fewest passes), 'memory' (recompute the conv "
                      "in backward, about half the saved activations) or False.")
 
-# %% ../nbs/02_callback.ipynb #58340c0c
+# %% ../nbs/02_callback.ipynb #88341716
 class ChannelsLast(Callback):
     "Channels-last training: the model and every batch's 4D/5D image tensors in `channels_last`(`_3d`)"
     order = -1   # as fastai's: before model-wrapping callbacks (DistributedTrainer is 11) and MixedPrecision (10)
@@ -43,7 +43,7 @@ class ChannelsLast(Callback):
     def before_fit(self):
         if not has_conv(self.model):
             warnings.warn("ChannelsLast: the model has no convolution, so the channels-last format changes nothing "
-                          "for it; remove the callback or call `learn.to_contiguous()`.", stacklevel=2)
+                          "for it; remove the callback or call `learn.to_contiguous()`.", ClfastWarning, stacklevel=2)
         self._check_single_amp()
         if self.fuse and not is_fused(self.model): fuse_conv_bn(self.model, self.fuse)
         model_to(self.model, channels_last=True)
@@ -61,7 +61,7 @@ class ChannelsLast(Callback):
 # %% ../nbs/02_callback.ipynb #f0f56992
 def _find_cbs(learn, *types): return [cb for cb in learn.cbs if type(cb) in types]
 
-# %% ../nbs/02_callback.ipynb #537d307a
+# %% ../nbs/02_callback.ipynb #ef9b9b5b
 @patch
 @delegates(GradScaler)
 def to_channelslast(self:Learner,
@@ -84,7 +84,7 @@ def to_channelslast(self:Learner,
     for cb in _find_cbs(self, MixedPrecision, fastai_fp16.MixedPrecision):
         if AMPMode(cb.amp_mode) != amp_mode:
             warnings.warn(f"to_channelslast: replacing MixedPrecision({AMPMode(cb.amp_mode).value}) with "
-                          f"MixedPrecision({amp_mode.value}); pass amp_mode={AMPMode(cb.amp_mode).value!r} to keep it.", stacklevel=2)
+                          f"MixedPrecision({amp_mode.value}); pass amp_mode={AMPMode(cb.amp_mode).value!r} to keep it.", ClfastWarning, stacklevel=2)
         self.remove_cb(cb)
     return self.add_cb(MixedPrecision(amp_mode, **kwargs))
 

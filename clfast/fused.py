@@ -42,21 +42,15 @@ def _mem_format(t:Tensor):
     cl = t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
     return torch.channels_last if cl else torch.contiguous_format
 
-# %% ../nbs/23_fused.ipynb #0a01c48c
+# %% ../nbs/23_fused.ipynb #446922b7
 def _direct_kernels(t:Tensor):
     "The kernel namespace to call without custom-op dispatch (eager mode with a built kernel), else None"
     if torch.compiler.is_compiling(): return None
     return ops.kernel_backend(t.device.type)
 
-def _scale_shift(mean, invstd, weight, bias):
-    "Per-channel `scale, shift` with `y*scale + shift == (y-mean)*invstd*weight + bias`, in the statistics' dtype"
-    scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
-    shift = -mean * scale if bias is None else torch.addcmul(bias.to(invstd.dtype), mean, scale, value=-1)
-    return scale.contiguous(), shift.contiguous()
-
 def _rows(t, dtype): return None if t is None else ops.as_rows(t.to(dtype))
 
-# %% ../nbs/23_fused.ipynb #0733ff83
+# %% ../nbs/23_fused.ipynb #f5567a3b
 class ConvBNActFn(torch.autograd.Function):
     "conv → batch norm (batch statistics when `mean` is None, else the given ones) (→ + residual) (→ ReLU) as one op"
     @staticmethod
@@ -71,7 +65,7 @@ class ConvBNActFn(torch.autograd.Function):
         invstd = torch.rsqrt(var + eps)
         scale = shift = None
         if k is not None:
-            scale, shift = _scale_shift(mean, invstd, bn_weight, bn_bias)
+            scale, shift = ops.affine_params(mean, invstd, bn_weight, bn_bias, invstd.dtype)
             out = ops.from_rows(k.fwd(ops.as_rows(y), scale, shift, _rows(residual, y.dtype), relu), y)
         else: out = ops.bn_act_fwd(y, mean, invstd, bn_weight, bn_bias, residual, relu)
         ctx.geom, ctx.relu, ctx.training, ctx.memory = geom, relu, training, memory

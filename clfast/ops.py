@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['as_rows', 'from_rows', 'acc_dtype', 'ref_bn_stats', 'ref_bn_act_fwd', 'ref_bn_act_bwd', 'kernel_backend',
-           'bn_stats_op', 'bn_act_fwd_op', 'bn_act_bwd_op', 'bn_stats', 'bn_act_fwd', 'bn_act_bwd']
+__all__ = ['as_rows', 'from_rows', 'acc_dtype', 'affine_params', 'ref_bn_stats', 'ref_bn_act_fwd', 'ref_bn_act_bwd',
+           'kernel_backend', 'bn_stats_op', 'bn_act_fwd_op', 'bn_act_bwd_op', 'bn_stats', 'bn_act_fwd', 'bn_act_bwd']
 
 # %% ../nbs/21_ops.ipynb #8e76589c
 def as_rows(t:Tensor) -> Tensor:
@@ -31,8 +31,8 @@ def acc_dtype(dt:torch.dtype) -> torch.dtype:
     "The accumulation / per-channel dtype for inputs of dtype `dt`: float64 for float64, float32 otherwise"
     return torch.float64 if dt == torch.float64 else torch.float32
 
-# %% ../nbs/21_ops.ipynb #0c8f0e25
-def _affine(mean, invstd, weight, bias, acc):
+# %% ../nbs/21_ops.ipynb #67351042
+def affine_params(mean, invstd, weight, bias, acc):
     "Per-channel `scale, shift` with `y*scale + shift == (y-mean)*invstd*weight + bias`"
     scale = invstd.to(acc) if weight is None else invstd.to(acc) * weight.to(acc)
     shift = -mean.to(acc) * scale
@@ -46,18 +46,18 @@ def ref_bn_stats(y:Tensor) -> tuple[Tensor, Tensor]:
     mean = r.mean(0)
     return mean, (r - mean).square().mean(0)
 
-# %% ../nbs/21_ops.ipynb #ed22aaf6
+# %% ../nbs/21_ops.ipynb #03a82d93
 def ref_bn_act_fwd(y:Tensor, mean:Tensor, invstd:Tensor, weight:Optional[Tensor]=None, bias:Optional[Tensor]=None,
                    residual:Optional[Tensor]=None, relu:bool=False) -> Tensor:
     "`act((y-mean)*invstd*weight + bias [+ residual])` in the accumulation dtype, returned in `y`'s dtype, channels-last"
     acc = acc_dtype(y.dtype)
-    scale, shift = _affine(mean, invstd, weight, bias, acc)
+    scale, shift = affine_params(mean, invstd, weight, bias, acc)
     z = as_rows(y).to(acc) * scale + shift
     if residual is not None: z = z + as_rows(residual).to(acc)
     if relu: z = z.clamp_min(0)
     return from_rows(z.to(y.dtype), y)
 
-# %% ../nbs/21_ops.ipynb #73065bfe
+# %% ../nbs/21_ops.ipynb #e896e634
 def ref_bn_act_bwd(dout:Tensor, y:Tensor, mean:Tensor, invstd:Tensor, weight:Optional[Tensor]=None,
                    bias:Optional[Tensor]=None, residual:Optional[Tensor]=None, relu:bool=False, training:bool=True):
     "Gradients `(dy, dweight, dbias, dresidual)` of `bn_act_fwd`; batch-statistics backward when `training`"
@@ -65,7 +65,7 @@ def ref_bn_act_bwd(dout:Tensor, y:Tensor, mean:Tensor, invstd:Tensor, weight:Opt
     r, dz = as_rows(y).to(acc), as_rows(dout).to(acc)
     mean, invstd = mean.to(acc), invstd.to(acc)
     if relu:
-        scale, shift = _affine(mean, invstd, weight, bias, acc)
+        scale, shift = affine_params(mean, invstd, weight, bias, acc)
         z = r * scale + shift
         if residual is not None: z = z + as_rows(residual).to(acc)
         dz = torch.where(z > 0, dz, 0)
@@ -126,7 +126,7 @@ def _ref_bwd_op(dout, y, mean, invstd, weight, bias, residual, relu, training, w
     if db is None: db = _empty(mean)
     return dy, dw, db, (dr if want_dres else _empty(y))
 
-# %% ../nbs/21_ops.ipynb #3d51689b
+# %% ../nbs/21_ops.ipynb #bf11c669
 def _res_rows(residual, y):
     "Residual rows in `y`'s dtype (kernels read both in one dtype)"
     return None if residual is None else as_rows(residual.to(y.dtype))
@@ -141,14 +141,14 @@ def _kernel_fwd(y, mean, invstd, weight, bias, residual, relu):
     k = kernel_backend(y.device.type)
     if k is None: return _ref_fwd_op(y, mean, invstd, weight, bias, residual, relu)
     acc = acc_dtype(y.dtype)
-    scale, shift = _affine(mean, invstd, weight, bias, acc)
+    scale, shift = affine_params(mean, invstd, weight, bias, acc)
     return from_rows(k.fwd(as_rows(y), scale.contiguous(), shift.contiguous(), _res_rows(residual, y), relu), y)
 
 def _kernel_bwd(dout, y, mean, invstd, weight, bias, residual, relu, training, want_dres):
     k = kernel_backend(y.device.type)
     if k is None: return _ref_bwd_op(dout, y, mean, invstd, weight, bias, residual, relu, training, want_dres)
     acc = acc_dtype(y.dtype)
-    scale, shift = _affine(mean, invstd, weight, bias, acc)
+    scale, shift = affine_params(mean, invstd, weight, bias, acc)
     dy, sum_dz, sum_dzx, dr = k.bwd(as_rows(dout.to(y.dtype)), as_rows(y), mean.to(acc).contiguous(),
                                     invstd.to(acc).contiguous(), scale.contiguous(), shift.contiguous(),
                                     _res_rows(residual, y), relu, training, want_dres)

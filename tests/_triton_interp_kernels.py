@@ -52,7 +52,7 @@ def test_fwd_bwd(shape, relu, res, dt):
     g = torch.randn(shape).to(dt).to(memory_format=cl)
     mean, var = ops.ref_bn_stats(y)
     invstd = (var + 1e-5).rsqrt()
-    scale, shift = ops._affine(mean, invstd, w, b, pdt)
+    scale, shift = ops.affine_params(mean, invstd, w, b, pdt)
     rr = None if r is None else ops.as_rows(r)
     out = tk.fwd(ops.as_rows(y), scale, shift, rr, relu)
     _close(out, ops.as_rows(ops.ref_bn_act_fwd(y, mean, invstd, w, b, r, relu)), dt)

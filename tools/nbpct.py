@@ -7,9 +7,10 @@ MD, CODE = '# %% [markdown]', '# %%'
 
 def pct2nb(src:Path, dst:Path):
     "Write the notebook `dst` from the percent script `src`, keeping outputs of unchanged code cells."
-    old = {}
+    old, old_ids = {}, {}
     if dst.exists():
         for c in json.loads(dst.read_text())['cells']:
+            old_ids.setdefault(''.join(c['source']), c.get('id'))
             if c['cell_type'] == 'code': old[''.join(c['source'])] = c.get('outputs', [])
     cells, kind, buf = [], None, []
     def flush():
@@ -18,8 +19,9 @@ def pct2nb(src:Path, dst:Path):
         if kind == 'markdown': text = '\n'.join(re.sub(r'^# ?', '', l) for l in text.split('\n'))
         src_lines = [l + '\n' for l in text.split('\n')]
         if src_lines: src_lines[-1] = src_lines[-1].rstrip('\n')
-        # nbdev names cells by id in the exported modules: ids must be stable, so derive them from position and text
-        cid = hashlib.sha1(f'{len(cells)}:{text}'.encode()).hexdigest()[:8]
+        # nbdev names cells by id in the exported modules: an unchanged cell keeps its id, a new one gets a stable one
+        cid = old_ids.get(text)
+        if not cid or cid in {c['id'] for c in cells}: cid = hashlib.sha1(f'{len(cells)}:{text}'.encode()).hexdigest()[:8]
         cell = dict(cell_type=kind, id=cid, metadata={}, source=src_lines)
         if kind == 'code': cell.update(execution_count=None, outputs=old.get(text, []))
         cells.append(cell)

@@ -2,7 +2,7 @@
 // Every tensor is a row-major [M, C] matrix: the channels-last view of an N,C,H,W (or N,C,D,H,W) tensor.
 // Loops run over rows in parallel (at::parallel_for) and over C innermost, where the compiler vectorizes them.
 // fp16/bf16 accumulate in fp32 blocks of rows that are summed in fp64; fp64 input accumulates in fp64.
-// Registered as torch ops in the `clfast_cpu` namespace (no pybind: the library is loaded with torch.ops.load_library).
+// Registered as torch ops (namespace `clfast_cpu`) in conv_bn_act.cpp.
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -14,6 +14,7 @@
 #include <optional>
 #include <tuple>
 #include <vector>
+#include "bn_act.h"
 
 using at::Tensor;
 
@@ -65,6 +66,10 @@ void chunked_sums(int64_t m, int64_t c, std::vector<double>& s1, std::vector<dou
   for (int64_t ch = 0; ch < nch; ++ch)
     for (int64_t j = 0; j < c; ++j) { s1[j] += part1[ch * c + j]; s2[j] += part2[ch * c + j]; }
 }
+
+}  // namespace
+
+namespace clfast_cpu {
 
 // Per-channel mean and biased variance. Sums are shifted by the first row, so a large mean does not cancel.
 std::tuple<Tensor, Tensor> stats(const Tensor& x) {
@@ -253,11 +258,4 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(const Tensor& dout, const Tensor&
   return {dy, sum_dz, sum_dzx, dres};
 }
 
-}  // namespace
-
-TORCH_LIBRARY(clfast_cpu, m) {
-  m.def("stats(Tensor x) -> (Tensor, Tensor)", &stats);
-  m.def("fwd(Tensor x, Tensor scale, Tensor shift, Tensor? res, bool relu) -> Tensor", &fwd);
-  m.def("bwd(Tensor dout, Tensor x, Tensor mean, Tensor invstd, Tensor scale, Tensor shift, Tensor? res, "
-        "bool relu, bool training, bool want_dres) -> (Tensor, Tensor, Tensor, Tensor)", &bwd);
-}
+}  // namespace clfast_cpu

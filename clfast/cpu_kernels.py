@@ -51,7 +51,7 @@ def ext_name(flags:list[str]) -> str:
     h.update(' '.join(flags).encode()); h.update(torch.__version__.encode()); h.update(cpu_isa().encode())
     return f"clfast_bn_act_{h.hexdigest()[:16]}"
 
-# %% ../nbs/22_cpu_kernels.ipynb #e723a6ac
+# %% ../nbs/22_cpu_kernels.ipynb #46d0fd89
 _lock, _lib = threading.Lock(), None
 
 def _build(native:bool, verbose:bool):
@@ -78,5 +78,4 @@ def load(verbose:bool=False) -> SimpleNamespace:
                 except Exception: raise RuntimeError(f"clfast C++ CPU kernels failed to build: {e}") from e
             _lib = Path(_lib) if _lib else None
     ops = torch.ops.clfast_cpu
-    return SimpleNamespace(stats=ops.stats, fwd=ops.fwd, bwd=ops.bwd,
-                           conv_bn_act_fwd=ops.conv_bn_act_fwd, conv_bn_act_bwd=ops.conv_bn_act_bwd)
+    return SimpleNamespace(stats=ops.stats, fwd=ops.fwd, bwd=ops.bwd, conv_bn_act=ops.conv_bn_act)

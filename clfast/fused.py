@@ -10,8 +10,8 @@ from torch import nn, Tensor
 from . import ops
 
 # %% auto #0
-__all__ = ['MODES', 'check_mode', 'conv_geometry', 'ConvBNActFn', 'CpuConvBNActFn', 'conv_bn_act', 'FusedConvBN2d',
-           'PassThroughBN2d', 'PassThroughReLU']
+__all__ = ['MODES', 'check_mode', 'conv_geometry', 'ConvBNActFn', 'conv_bn_act', 'FusedConvBN2d', 'PassThroughBN2d',
+           'PassThroughReLU']
 
 # %% ../nbs/23_fused.ipynb #8f2ef1f6
 MODES = ('speed', 'memory')
@@ -125,44 +125,23 @@ def _bn_factor(bn:nn.BatchNorm2d) -> float:
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
     return factor
 
-# %% ../nbs/23_fused.ipynb #972dde63
-class CpuConvBNActFn(torch.autograd.Function):
-    "`ConvBNActFn` as one C++ call per direction (CPU, eager, built kernels); updates `bn`'s running statistics itself"
-    @staticmethod
-    def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, bn, geom, relu, memory, factor, batch_stats, update):
-        k = ops.kernel_backend('cpu')
-        out, y, mean, invstd, scale, shift = k.conv_bn_act_fwd(
-            x, weight, bias, bn_weight, bn_bias, residual, bn.running_mean, bn.running_var, *geom, bn.eps, factor,
-            batch_stats, update, relu, not memory)
-        ctx.geom, ctx.relu, ctx.training, ctx.has_residual = geom, relu, batch_stats, residual is not None
-        ctx.bn_dtypes = (None if bn_weight is None else bn_weight.dtype, None if bn_bias is None else bn_bias.dtype)
-        mask_from_out = relu and residual is not None  # as in ConvBNActFn
-        ctx.save_for_backward(x, weight, bias, y, mean, invstd, scale, shift, out if mask_from_out else None)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout):
-        x, weight, bias, y, mean, invstd, scale, shift, out = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        grads = ops.kernel_backend('cpu').conv_bn_act_bwd(
-            dout, x, weight, bias, y, mean, invstd, scale, shift, out, *ctx.geom, ctx.relu,
-            ctx.training, ctx.has_residual, list(need[:3]), need[3], need[4])
-        dx, dw, db, dbw, dbb, dres = grads
-        wdt, bdt = ctx.bn_dtypes
-        if dbw is not None and dbw.dtype != wdt: dbw = dbw.to(wdt)
-        if dbb is not None and dbb.dtype != bdt: dbb = dbb.to(bdt)
-        return dx, dw, db, dbw, dbb, dres, None, None, None, None, None, None, None
-
-# %% ../nbs/23_fused.ipynb #ee827008
+# %% ../nbs/23_fused.ipynb #257d391b
 def _cpu_layer_kernels(x:Tensor):
-    "The C++ kernels when this call can run as `CpuConvBNActFn` (CPU, eager, kernels built), else None"
+    "The C++ kernels when this call can run as one C++ op (CPU, eager, kernels built), else None"
     if x.device.type != 'cpu' or torch.compiler.is_compiling(): return None
     return ops.kernel_backend('cpu')
 
-def _fused_call(x, w, b, bn, res, geom, relu, memory, factor, batch_stats, update):
-    if _cpu_layer_kernels(x) is not None:
-        return CpuConvBNActFn.apply(x, w, b, bn.weight, bn.bias, res, bn, geom, relu, memory, factor, batch_stats, update)
+def _fused_call(x, w, b, bn, res, geom, relu, memory):
+    "Run the fused layer; running statistics and `num_batches_tracked` are updated as `BatchNorm2d.forward` does"
+    k = _cpu_layer_kernels(x)
+    if k is not None:
+        track = bn.training and bn.track_running_stats
+        stats = not bn.training or bn.track_running_stats  # what BatchNorm2d hands F.batch_norm
+        return k.conv_bn_act(x, w, b, bn.weight, bn.bias, res, bn.running_mean if stats else None,
+                             bn.running_var if stats else None, bn.num_batches_tracked if track else None,
+                             *geom, bn.eps, bn.momentum, bn.training, relu, memory)
+    factor = _bn_factor(bn)
+    batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
     mean = var = None
     if not batch_stats:  # copies, so that a later in-place update cannot invalidate what backward saved
         acc = ops.acc_dtype(x.dtype)
@@ -170,14 +149,14 @@ def _fused_call(x, w, b, bn, res, geom, relu, memory, factor, batch_stats, updat
     res = ConvBNActFn.apply(x, w, b, bn.weight, bn.bias, res, mean, var, geom, bn.eps, relu, memory)
     if not batch_stats: return res
     out, mean, var = res
-    if update:
+    if bn.training and bn.track_running_stats and bn.running_mean is not None:
         n = out.numel() // out.shape[1]
         with torch.no_grad():
             bn.running_mean.lerp_(mean.to(bn.running_mean.dtype), factor)
             bn.running_var.lerp_((var * (n / (n - 1))).to(bn.running_var.dtype), factor)
     return out
 
-# %% ../nbs/23_fused.ipynb #a013cf85
+# %% ../nbs/23_fused.ipynb #bafeab3a
 def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|None=None, relu:bool=False,
                 mode:str='speed') -> Tensor:
     "`relu(bn(conv(x)) + residual)` as one fused op, updating `bn`'s running statistics like the stock module"
@@ -187,10 +166,7 @@ def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|Non
     memory = check_mode(mode) == 'memory'
     xc, w, b, res = _autocast(x, conv.weight, conv.bias, residual)
     if res is not None and res.dtype != xc.dtype: res = res.to(xc.dtype)
-    factor = _bn_factor(bn)
-    batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
-    update = batch_stats and bn.training and bn.track_running_stats and bn.running_mean is not None
-    args = (xc, w, b, bn, res, geom, relu, memory, factor, batch_stats, update)
+    args = (xc, w, b, bn, res, geom, relu, memory)
     dev = x.device.type
     if not torch.is_autocast_enabled(dev): return _fused_call(*args)
     with torch.autocast(dev, enabled=False): return _fused_call(*args)

@@ -1,14 +1,15 @@
 // CPU kernels for the elementwise/statistics half of fused conv-BN(-ReLU)(+add).
-// Every tensor is a row-major [M, C] matrix: the channels-last view of an N,C,H,W (or N,C,D,H,W) tensor.
-// Loops run over rows in parallel (at::parallel_for) and over C innermost, where the compiler vectorizes them.
-// fp16/bf16 accumulate in fp32 blocks of rows that are summed in fp64; fp64 input accumulates in fp64.
-// Registered as torch ops (namespace `clfast_cpu`) in conv_bn_act.cpp.
+// Every tensor is read as a row-major [M, C] matrix: a contiguous [M, C] tensor, or the memory of a channels-last
+// N,C,H,W (or N,C,D,H,W) tensor. Loops run over rows in parallel (at::parallel_for) and over C innermost, where the
+// compiler vectorizes them. fp16/bf16 accumulate in fp32 blocks of rows that are summed in fp64; fp64 input
+// accumulates in fp64. Per-channel arrays are in opmath (float; double for double tensors).
+// The kernels make no tensor-op calls (no dispatcher round trips): conv_bn_act.cpp runs a whole layer around them.
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include <ATen/ops/empty_like.h>
 #include <algorithm>
 #include <cmath>
 #include <optional>
@@ -17,29 +18,25 @@
 #include "bn_act.h"
 
 using at::Tensor;
+using clfast_cpu::BwdArgs;
+using clfast_cpu::Mask;
+using clfast_cpu::is_rows;
 
 namespace {
 
 constexpr int64_t kBlockRows = 64;      // rows summed in opmath before spilling into the fp64 totals
 constexpr int64_t kMaxChunks = 256;     // fixed row partition: results do not depend on the thread count
+constexpr int64_t kChunkAlign = 16;     // chunk counts are multiples of this (when rows allow): balanced over 2-16 threads
 
 int64_t num_chunks(int64_t m, int64_t c) {
   // about 64K elements per chunk, at least one chunk
   int64_t per = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(c, 1));
-  return std::max<int64_t>(1, std::min<int64_t>(kMaxChunks, (m + per - 1) / per));
+  int64_t n = std::max<int64_t>(1, std::min<int64_t>(kMaxChunks, (m + per - 1) / per));
+  return std::min(m, (n + kChunkAlign - 1) / kChunkAlign * kChunkAlign);
 }
 
-void check_rows(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous(), "clfast_cpu: ", name, " must be a contiguous [M, C] matrix");
-  TORCH_CHECK(t.device().is_cpu(), "clfast_cpu: ", name, " must be on the CPU");
-}
-
-void check_vec(const Tensor& t, int64_t c, at::ScalarType acc, const char* name) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == c && t.is_contiguous() && t.scalar_type() == acc,
-              "clfast_cpu: ", name, " must be a contiguous [C] vector of the accumulation dtype");
-}
-
-at::ScalarType acc_type(at::ScalarType st) { return st == at::kDouble ? at::kDouble : at::kFloat; }
+// Rows handed to one parallel_for task of an elementwise pass: about 32K elements
+int64_t row_grain(int64_t c) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(c, 1)); }
 
 // Per-chunk column sums of f(row) over a row range, blocked: opmath inside a block, fp64 across blocks.
 // `body(r, a, b)` adds row r's contributions to the opmath block accumulators a[C], b[C].
@@ -67,194 +64,246 @@ void chunked_sums(int64_t m, int64_t c, std::vector<double>& s1, std::vector<dou
     for (int64_t j = 0; j < c; ++j) { s1[j] += part1[ch * c + j]; s2[j] += part2[ch * c + j]; }
 }
 
+template <typename scalar_t>
+void stats_impl(const scalar_t* xp, int64_t m, int64_t c, double* mean, double* var) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  // sums are shifted by the first row, so a large mean does not cancel
+  std::vector<opmath_t> shift(c);
+  for (int64_t j = 0; j < c; ++j) shift[j] = opmath_t(xp[j]);
+  const opmath_t* __restrict__ sh = shift.data();
+  std::vector<double> s1, s2;
+  chunked_sums<opmath_t>(m, c, s1, s2, [&](int64_t r, opmath_t* __restrict__ a, opmath_t* __restrict__ b) {
+    const scalar_t* __restrict__ row = xp + r * c;
+    for (int64_t j = 0; j < c; ++j) {
+      const opmath_t d = opmath_t(row[j]) - sh[j];
+      a[j] += d; b[j] += d * d;
+    }
+  });
+  for (int64_t j = 0; j < c; ++j) {
+    const double md = s1[j] / double(m);
+    mean[j] = double(sh[j]) + md;
+    var[j] = std::max(0.0, s2[j] / double(m) - md * md);
+  }
+}
+
+template <typename scalar_t>
+void normalize_impl(const scalar_t* xp, int64_t m, int64_t c, const at::opmath_type<scalar_t>* sc,
+                    const at::opmath_type<scalar_t>* sh, const scalar_t* rp, bool relu, scalar_t* op) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  at::parallel_for(0, m, row_grain(c), [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const scalar_t* __restrict__ xr = xp + r * c;
+      scalar_t* __restrict__ o = op + r * c;
+      if (rp) {
+        const scalar_t* __restrict__ rr = rp + r * c;
+        if (relu) for (int64_t j = 0; j < c; ++j) {
+          const opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j] + opmath_t(rr[j]);
+          o[j] = scalar_t(z > opmath_t(0) ? z : opmath_t(0));
+        } else for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(opmath_t(xr[j]) * sc[j] + sh[j] + opmath_t(rr[j]));
+      } else {
+        if (relu) for (int64_t j = 0; j < c; ++j) {
+          const opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j];
+          o[j] = scalar_t(z > opmath_t(0) ? z : opmath_t(0));
+        } else for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(opmath_t(xr[j]) * sc[j] + sh[j]);
+      }
+    }
+  });
+}
+
+// The masked gradient dz at element j of a row, the mask kind fixed at compile time so every loop vectorizes
+template <typename scalar_t, Mask M, bool R>
+struct Rows {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const scalar_t *g, *x, *res, *out;
+  const opmath_t *sc, *sh;
+  inline opmath_t dz(int64_t j) const {
+    const opmath_t gj = opmath_t(g[j]);
+    if constexpr (M == Mask::none) return gj;
+    else if constexpr (M == Mask::from_out) return opmath_t(out[j]) > opmath_t(0) ? gj : opmath_t(0);
+    else {
+      opmath_t z = opmath_t(x[j]) * sc[j] + sh[j];
+      if constexpr (R) z += opmath_t(res[j]);
+      return z > opmath_t(0) ? gj : opmath_t(0);
+    }
+  }
+};
+
+// Pass 1 (training, or sums asked for): s1 = sum(dz), s2 = sum(dz*(x-mean)). Pass 2: dy = dz*A + (x-mean)*B + D with
+// A = scale and, in training, B = -scale*invstd^2*s2/M, D = -scale*s1/M; dres = dz where asked.
+template <typename scalar_t, Mask M, bool R>
+void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, const scalar_t* op, int64_t m,
+                   int64_t c, const BwdArgs& a, scalar_t* dyp, scalar_t* drp) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const opmath_t* __restrict__ mu = static_cast<const opmath_t*>(a.mean);
+  const opmath_t* __restrict__ is = static_cast<const opmath_t*>(a.invstd);
+  const opmath_t* __restrict__ sc = static_cast<const opmath_t*>(a.scale);
+  const opmath_t* __restrict__ sh = static_cast<const opmath_t*>(a.shift);
+  auto row = [&](int64_t r) {
+    const int64_t o = r * c;
+    return Rows<scalar_t, M, R>{gp + o, xp + o, rp ? rp + o : nullptr, op ? op + o : nullptr, sc, sh};
+  };
+  std::vector<double> s1(c, 0.0), s2(c, 0.0);
+  if (a.training || a.sum_dz || a.sum_dzx)
+    chunked_sums<opmath_t>(m, c, s1, s2, [&](int64_t r, opmath_t* __restrict__ ac, opmath_t* __restrict__ bc) {
+      const auto rw = row(r);
+      for (int64_t j = 0; j < c; ++j) {
+        const opmath_t g = rw.dz(j);
+        ac[j] += g; bc[j] += g * (opmath_t(rw.x[j]) - mu[j]);
+      }
+    });
+  std::vector<opmath_t> B(c, opmath_t(0)), D(c, opmath_t(0));
+  for (int64_t j = 0; j < c; ++j) {
+    if (a.sum_dz) static_cast<opmath_t*>(a.sum_dz)[j] = opmath_t(s1[j]);
+    if (a.sum_dzx) static_cast<opmath_t*>(a.sum_dzx)[j] = opmath_t(s2[j] * double(is[j]));
+    if (a.training) {
+      B[j] = opmath_t(-double(sc[j]) * double(is[j]) * double(is[j]) * s2[j] / double(m));
+      D[j] = opmath_t(-double(sc[j]) * s1[j] / double(m));
+    }
+  }
+  const opmath_t* __restrict__ Bp = B.data();
+  const opmath_t* __restrict__ Dp = D.data();
+  at::parallel_for(0, m, row_grain(c), [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const auto rw = row(r);
+      scalar_t* __restrict__ o = dyp + r * c;
+      for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(rw.dz(j) * sc[j] + (opmath_t(rw.x[j]) - mu[j]) * Bp[j] + Dp[j]);
+      if (drp) {  // a second sweep over the row (in L1) keeps both loops vectorized
+        scalar_t* __restrict__ d = drp + r * c;
+        for (int64_t j = 0; j < c; ++j) d[j] = scalar_t(rw.dz(j));  // exact: dout or 0
+      }
+    }
+  });
+}
+
+void check_rows(const Tensor& t, const Tensor& like, int64_t c, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "clfast_cpu: ", name, " must be on the CPU");
+  TORCH_CHECK(is_rows(t) && t.numel() == like.numel() && t.size(1) == c &&
+              t.scalar_type() == like.scalar_type(), "clfast_cpu: ", name, " must be a row-major [M, C] matrix "
+              "(contiguous 2D or channels-last) of x's size and dtype");
+}
+
+at::ScalarType acc_type(at::ScalarType st) { return st == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_vec(const Tensor& t, int64_t c, at::ScalarType acc, const char* name) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == c && t.is_contiguous() && t.scalar_type() == acc,
+              "clfast_cpu: ", name, " must be a contiguous [C] vector of the accumulation dtype");
+}
+
+void check_matrix(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(),
+              "clfast_cpu: ", name, " must be a contiguous [M, C] matrix on the CPU");
+}
+
 }  // namespace
 
 namespace clfast_cpu {
 
-// Per-channel mean and biased variance. Sums are shifted by the first row, so a large mean does not cancel.
-std::tuple<Tensor, Tensor> stats(const Tensor& x) {
-  check_rows(x, "x");
-  const int64_t m = x.size(0), c = x.size(1);
-  TORCH_CHECK(m > 0, "clfast_cpu.stats needs at least one value per channel");
-  const auto acc = acc_type(x.scalar_type());
-  Tensor mean = at::empty({c}, x.options().dtype(acc)), var = at::empty({c}, x.options().dtype(acc));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clfast_cpu_stats", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    std::vector<opmath_t> shift(c);
-    for (int64_t j = 0; j < c; ++j) shift[j] = opmath_t(xp[j]);
-    const opmath_t* __restrict__ sh = shift.data();
-    std::vector<double> s1, s2;
-    chunked_sums<opmath_t>(m, c, s1, s2, [&](int64_t r, opmath_t* __restrict__ a, opmath_t* __restrict__ b) {
-      const scalar_t* __restrict__ row = xp + r * c;
-      for (int64_t j = 0; j < c; ++j) {
-        const opmath_t d = opmath_t(row[j]) - sh[j];
-        a[j] += d; b[j] += d * d;
-      }
-    });
-    opmath_t* mp = mean.data_ptr<opmath_t>();
-    opmath_t* vp = var.data_ptr<opmath_t>();
-    for (int64_t j = 0; j < c; ++j) {
-      const double md = s1[j] / double(m);
-      mp[j] = opmath_t(double(sh[j]) + md);
-      vp[j] = opmath_t(std::max(0.0, s2[j] / double(m) - md * md));
-    }
-  });
-  return {mean, var};
+bool is_rows(const Tensor& t) {
+  switch (t.dim()) {
+    case 2: return t.is_contiguous();
+    case 4: return t.is_contiguous(at::MemoryFormat::ChannelsLast);
+    case 5: return t.is_contiguous(at::MemoryFormat::ChannelsLast3d);
+    default: return false;
+  }
 }
 
-// out = act(x*scale + shift [+ res])
-Tensor fwd(const Tensor& x, const Tensor& scale, const Tensor& shift, const std::optional<Tensor>& res, bool relu) {
-  check_rows(x, "x");
-  const int64_t m = x.size(0), c = x.size(1);
+void stats(const Tensor& x, int64_t c, double* mean, double* var) {
+  check_rows(x, x, c, "x");
+  const int64_t m = x.numel() / c;
+  TORCH_CHECK(m > 0, "clfast_cpu.stats needs at least one value per channel");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clfast_cpu_stats", [&] {
+    stats_impl(x.const_data_ptr<scalar_t>(), m, c, mean, var);
+  });
+}
+
+void normalize(const Tensor& x, int64_t c, const void* scale, const void* shift, const Tensor* res, bool relu,
+               Tensor& out) {
+  check_rows(x, x, c, "x");
+  check_rows(out, x, c, "out");
+  if (res) check_rows(*res, x, c, "res");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clfast_cpu_normalize", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    normalize_impl(x.const_data_ptr<scalar_t>(), x.numel() / c, c, static_cast<const opmath_t*>(scale),
+                   static_cast<const opmath_t*>(shift), res ? res->const_data_ptr<scalar_t>() : nullptr, relu,
+                   out.data_ptr<scalar_t>());
+  });
+}
+
+void backward(const Tensor& dout, const Tensor& x, int64_t c, const BwdArgs& a, Tensor& dy) {
+  check_rows(x, x, c, "x");
+  check_rows(dout, x, c, "dout");
+  check_rows(dy, x, c, "dy");
+  if (a.dres) check_rows(*a.dres, x, c, "dres");
+  TORCH_CHECK(a.mask != Mask::from_out || a.out, "clfast_cpu: Mask::from_out needs out");
+  if (a.out) check_rows(*a.out, x, c, "out");
+  if (a.res) check_rows(*a.res, x, c, "res");
+  const bool with_res = a.mask == Mask::recompute && a.res;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clfast_cpu_backward", [&] {
+    const scalar_t* gp = dout.const_data_ptr<scalar_t>();
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* rp = with_res ? a.res->const_data_ptr<scalar_t>() : nullptr;
+    const scalar_t* op = a.mask == Mask::from_out ? a.out->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* dyp = dy.data_ptr<scalar_t>();
+    scalar_t* drp = a.dres ? a.dres->data_ptr<scalar_t>() : nullptr;
+    const int64_t m = x.numel() / c;
+    switch (a.mask) {
+      case Mask::none: backward_impl<scalar_t, Mask::none, false>(gp, xp, rp, op, m, c, a, dyp, drp); break;
+      case Mask::from_out: backward_impl<scalar_t, Mask::from_out, false>(gp, xp, rp, op, m, c, a, dyp, drp); break;
+      case Mask::recompute:
+        if (with_res) backward_impl<scalar_t, Mask::recompute, true>(gp, xp, rp, op, m, c, a, dyp, drp);
+        else backward_impl<scalar_t, Mask::recompute, false>(gp, xp, rp, op, m, c, a, dyp, drp);
+        break;
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> stats_op(const Tensor& x) {
+  check_matrix(x, "x");
+  const int64_t c = x.size(1);
+  TORCH_CHECK(x.size(0) > 0, "clfast_cpu.stats needs at least one value per channel");
+  const auto acc = acc_type(x.scalar_type());
+  std::vector<double> mean(c), var(c);
+  stats(x, c, mean.data(), var.data());
+  Tensor mt = at::empty({c}, x.options().dtype(acc)), vt = at::empty({c}, x.options().dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES(acc, "clfast_cpu_stats_out", [&] {
+    for (int64_t j = 0; j < c; ++j) { mt.data_ptr<scalar_t>()[j] = scalar_t(mean[j]); vt.data_ptr<scalar_t>()[j] = scalar_t(var[j]); }
+  });
+  return {mt, vt};
+}
+
+Tensor fwd_op(const Tensor& x, const Tensor& scale, const Tensor& shift, const std::optional<Tensor>& res, bool relu) {
+  check_matrix(x, "x");
+  const int64_t c = x.size(1);
   const auto acc = acc_type(x.scalar_type());
   check_vec(scale, c, acc, "scale"); check_vec(shift, c, acc, "shift");
   const bool has_res = res.has_value() && res->defined();
-  if (has_res) {
-    check_rows(*res, "res");
-    TORCH_CHECK(res->sizes() == x.sizes() && res->scalar_type() == x.scalar_type(), "clfast_cpu: res must match x");
-  }
-  Tensor out = at::empty({m, c}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clfast_cpu_fwd", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    const scalar_t* rp = has_res ? res->const_data_ptr<scalar_t>() : nullptr;
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const opmath_t* __restrict__ sc = scale.const_data_ptr<opmath_t>();
-    const opmath_t* __restrict__ sh = shift.const_data_ptr<opmath_t>();
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(c, 1));
-    at::parallel_for(0, m, grain, [&](int64_t rb, int64_t re) {
-      for (int64_t r = rb; r < re; ++r) {
-        const scalar_t* __restrict__ xr = xp + r * c;
-        scalar_t* __restrict__ o = op + r * c;
-        if (has_res) {
-          const scalar_t* __restrict__ rr = rp + r * c;
-          if (relu) for (int64_t j = 0; j < c; ++j) {
-            const opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j] + opmath_t(rr[j]);
-            o[j] = scalar_t(z > opmath_t(0) ? z : opmath_t(0));
-          } else for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(opmath_t(xr[j]) * sc[j] + sh[j] + opmath_t(rr[j]));
-        } else {
-          if (relu) for (int64_t j = 0; j < c; ++j) {
-            const opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j];
-            o[j] = scalar_t(z > opmath_t(0) ? z : opmath_t(0));
-          } else for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(opmath_t(xr[j]) * sc[j] + sh[j]);
-        }
-      }
-    });
-  });
+  if (has_res) check_matrix(*res, "res");
+  Tensor out = at::empty({x.size(0), c}, x.options());
+  normalize(x, c, scale.const_data_ptr(), shift.const_data_ptr(), has_res ? &*res : nullptr, relu, out);
   return out;
 }
 
-// Backward. dz = dout * [z > 0] (z recomputed exactly as in fwd). Pass 1: per-channel sum(dz), sum(dz*x_hat).
-// Pass 2: dy = scale*(dz - sum_dz/M - x_hat*sum_dzx/M) (training) or dz*scale (running stats); dres = dz.
-std::tuple<Tensor, Tensor, Tensor, Tensor> bwd(const Tensor& dout, const Tensor& x, const Tensor& mean,
-                                               const Tensor& invstd, const Tensor& scale, const Tensor& shift,
-                                               const std::optional<Tensor>& res, bool relu, bool training,
-                                               bool want_dres) {
-  check_rows(x, "x"); check_rows(dout, "dout");
-  const int64_t m = x.size(0), c = x.size(1);
-  TORCH_CHECK(dout.sizes() == x.sizes() && dout.scalar_type() == x.scalar_type(), "clfast_cpu: dout must match x");
+std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_op(const Tensor& dout, const Tensor& x, const Tensor& mean,
+                                                  const Tensor& invstd, const Tensor& scale, const Tensor& shift,
+                                                  const std::optional<Tensor>& res, bool relu, bool training,
+                                                  bool want_dres) {
+  check_matrix(x, "x"); check_matrix(dout, "dout");
+  const int64_t c = x.size(1);
   const auto acc = acc_type(x.scalar_type());
   check_vec(mean, c, acc, "mean"); check_vec(invstd, c, acc, "invstd");
   check_vec(scale, c, acc, "scale"); check_vec(shift, c, acc, "shift");
   const bool has_res = res.has_value() && res->defined();
-  if (has_res) {
-    check_rows(*res, "res");
-    TORCH_CHECK(res->sizes() == x.sizes() && res->scalar_type() == x.scalar_type(), "clfast_cpu: res must match x");
-  }
+  if (has_res) check_matrix(*res, "res");
   TORCH_CHECK(!want_dres || has_res, "clfast_cpu: want_dres needs res");
-  Tensor dy = at::empty({m, c}, x.options());
-  Tensor dres = want_dres ? at::empty({m, c}, x.options()) : at::empty({0}, x.options());
-  Tensor sum_dz = at::empty({c}, x.options().dtype(acc)), sum_dzx = at::empty({c}, x.options().dtype(acc));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clfast_cpu_bwd", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
-    const scalar_t* xp = x.const_data_ptr<scalar_t>();
-    const scalar_t* gp = dout.const_data_ptr<scalar_t>();
-    const scalar_t* rp = has_res ? res->const_data_ptr<scalar_t>() : nullptr;
-    const opmath_t* __restrict__ mu = mean.const_data_ptr<opmath_t>();
-    const opmath_t* __restrict__ is = invstd.const_data_ptr<opmath_t>();
-    const opmath_t* __restrict__ sc = scale.const_data_ptr<opmath_t>();
-    const opmath_t* __restrict__ sh = shift.const_data_ptr<opmath_t>();
-    // pass 1
-    std::vector<double> s1, s2;
-    chunked_sums<opmath_t>(m, c, s1, s2, [&](int64_t r, opmath_t* __restrict__ a, opmath_t* __restrict__ b) {
-      const scalar_t* __restrict__ xr = xp + r * c;
-      const scalar_t* __restrict__ gr = gp + r * c;
-      if (relu && has_res) {
-        const scalar_t* __restrict__ rr = rp + r * c;
-        for (int64_t j = 0; j < c; ++j) {
-          const opmath_t xv = opmath_t(xr[j]);
-          const opmath_t z = xv * sc[j] + sh[j] + opmath_t(rr[j]);
-          const opmath_t g = z > opmath_t(0) ? opmath_t(gr[j]) : opmath_t(0);
-          a[j] += g; b[j] += g * (xv - mu[j]);
-        }
-      } else if (relu) {
-        for (int64_t j = 0; j < c; ++j) {
-          const opmath_t xv = opmath_t(xr[j]);
-          const opmath_t z = xv * sc[j] + sh[j];
-          const opmath_t g = z > opmath_t(0) ? opmath_t(gr[j]) : opmath_t(0);
-          a[j] += g; b[j] += g * (xv - mu[j]);
-        }
-      } else {
-        for (int64_t j = 0; j < c; ++j) {
-          const opmath_t g = opmath_t(gr[j]);
-          a[j] += g; b[j] += g * (opmath_t(xr[j]) - mu[j]);
-        }
-      }
-    });
-    opmath_t* sdz = sum_dz.data_ptr<opmath_t>();
-    opmath_t* sdx = sum_dzx.data_ptr<opmath_t>();
-    // dy = dz*A + (x - mean)*B + D
-    std::vector<opmath_t> A(c), B(c), D(c);
-    for (int64_t j = 0; j < c; ++j) {
-      sdz[j] = opmath_t(s1[j]);
-      sdx[j] = opmath_t(s2[j] * double(is[j]));
-      A[j] = sc[j];
-      B[j] = training ? opmath_t(-double(sc[j]) * double(is[j]) * double(sdx[j]) / double(m)) : opmath_t(0);
-      D[j] = training ? opmath_t(-double(sc[j]) * s1[j] / double(m)) : opmath_t(0);
-    }
-    const opmath_t* __restrict__ Ap = A.data();
-    const opmath_t* __restrict__ Bp = B.data();
-    const opmath_t* __restrict__ Dp = D.data();
-    scalar_t* dyp = dy.data_ptr<scalar_t>();
-    scalar_t* drp = want_dres ? dres.data_ptr<scalar_t>() : nullptr;
-    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(c, 1));
-    // pass 2
-    at::parallel_for(0, m, grain, [&](int64_t rb, int64_t re) {
-      for (int64_t r = rb; r < re; ++r) {
-        const scalar_t* __restrict__ xr = xp + r * c;
-        const scalar_t* __restrict__ gr = gp + r * c;
-        scalar_t* __restrict__ o = dyp + r * c;
-        if (relu && has_res) {
-          const scalar_t* __restrict__ rr = rp + r * c;
-          for (int64_t j = 0; j < c; ++j) {
-            const opmath_t xv = opmath_t(xr[j]);
-            const opmath_t z = xv * sc[j] + sh[j] + opmath_t(rr[j]);
-            const opmath_t g = z > opmath_t(0) ? opmath_t(gr[j]) : opmath_t(0);
-            o[j] = scalar_t(g * Ap[j] + (xv - mu[j]) * Bp[j] + Dp[j]);
-          }
-          if (drp) {  // a second sweep over the row (in L1) keeps both loops vectorized
-            scalar_t* __restrict__ d = drp + r * c;
-            for (int64_t j = 0; j < c; ++j) {
-              const opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j] + opmath_t(rr[j]);
-              d[j] = scalar_t(z > opmath_t(0) ? opmath_t(gr[j]) : opmath_t(0));  // exact: dout or 0
-            }
-          }
-        } else if (relu) {
-          for (int64_t j = 0; j < c; ++j) {
-            const opmath_t xv = opmath_t(xr[j]);
-            const opmath_t z = xv * sc[j] + sh[j];
-            const opmath_t g = z > opmath_t(0) ? opmath_t(gr[j]) : opmath_t(0);
-            o[j] = scalar_t(g * Ap[j] + (xv - mu[j]) * Bp[j] + Dp[j]);
-          }
-        } else {
-          for (int64_t j = 0; j < c; ++j)
-            o[j] = scalar_t(opmath_t(gr[j]) * Ap[j] + (opmath_t(xr[j]) - mu[j]) * Bp[j] + Dp[j]);
-          if (drp) std::copy(gr, gr + c, drp + r * c);
-        }
-      }
-    });
-  });
+  Tensor dy = at::empty_like(x), sum_dz = at::empty({c}, x.options().dtype(acc)), sum_dzx = at::empty_like(sum_dz);
+  Tensor dres = want_dres ? at::empty_like(x) : at::empty({0}, x.options());
+  BwdArgs a{mean.const_data_ptr(), invstd.const_data_ptr(), scale.const_data_ptr(), shift.const_data_ptr()};
+  a.mask = relu ? Mask::recompute : Mask::none;
+  a.res = relu && has_res ? &*res : nullptr;
+  a.training = training;
+  a.dres = want_dres ? &dres : nullptr;
+  a.sum_dz = sum_dz.data_ptr(); a.sum_dzx = sum_dzx.data_ptr();
+  backward(dout, x, c, a, dy);
   return {dy, sum_dz, sum_dzx, dres};
 }
 

@@ -33,14 +33,21 @@ def saved_bytes(model, x):
     act = sum(n for p, n in store.items() if p not in params)
     return act, sum(store.values()) - act
 
-def interleaved(fns:dict, rounds:int, warmup:int=1) -> dict:
-    "Median seconds per call of each fn, run round-robin so that machine noise hits all alike"
+def interleaved(fns:dict, rounds:int, warmup:int=1, paired:list|None=None) -> dict:
+    "Median seconds per call of each fn, run round-robin (order reversed every other round) so noise hits all alike"
     times = {k: [] for k in fns}
     for r in range(warmup + rounds):
-        for k, f in fns.items():
-            t = time.perf_counter(); f(); dt = time.perf_counter() - t
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            t = time.perf_counter(); fns[k](); dt = time.perf_counter() - t
             if r >= warmup: times[k].append(dt)
+    if paired is not None: paired.append(times)
     return {k: statistics.median(v) for k, v in times.items()}
+
+def paired_ratios(times:dict, base:str, k:str) -> str:
+    "Median and quartiles of the per-round ratios base/k (each round's two runs are seconds apart)"
+    r = sorted(b / t for b, t in zip(times[base], times[k]))
+    q = lambda f: r[min(len(r) - 1, int(f * len(r)))]
+    return f"paired {base}/{k}: median {statistics.median(r):.3f} (quartiles {q(0.25):.3f}-{q(0.75):.3f}, n={len(r)})"
 
 def train_step_fn(model, x, dev='cpu', amp=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -74,8 +81,12 @@ def section_train(args):
     x = torch.randn(args.bs, 3, args.px, args.px).to(memory_format=torch.channels_last)
     stock = cl(torchvision.models.resnet50())
     models = {'stock_cl': stock, 'fused_speed': fuse_conv_bn(copy.deepcopy(stock), 'speed')}
-    times = interleaved({k: train_step_fn(m, x) for k, m in models.items()}, args.rounds)
-    for k, t in times.items(): print(f"train step {k:>12}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}")
+    for amp in ([None, torch.bfloat16] if args.cpu_bf16 else [None]):
+        raw = []
+        times = interleaved({k: train_step_fn(m, x, amp=amp) for k, m in models.items()}, args.rounds, warmup=2, paired=raw)
+        print(f"  {'bf16 autocast' if amp else 'fp32'}:")
+        for k, t in times.items(): print(f"train step {k:>12}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}")
+        print("  " + paired_ratios(raw[0], 'stock_cl', 'fused_speed'))
 
 def section_infer(args):
     print(f"\n## CPU inference: torchvision resnet50, batch {args.bs}, {args.px} px, fp32, eval, no_grad")
@@ -149,6 +160,7 @@ def main(argv=None):
     p.add_argument('--bs', type=int, default=8); p.add_argument('--px', type=int, default=160)
     p.add_argument('--rounds', type=int, default=5)
     p.add_argument('--no-compile', action='store_true', help='skip the torch.compile variants')
+    p.add_argument('--cpu-bf16', action='store_true', help='train section: also time bf16 autocast')
     p.add_argument('--warm-compile', action='store_true', help="let torch.compile use inductor's on-disk cache")
     p.add_argument('--gpu-bs', type=int, default=256); p.add_argument('--gpu-dtype', default='float16')
     args = p.parse_args(argv)

@@ -1,9 +1,22 @@
 "FusedConvBN2d against the stock Conv2d -> BatchNorm2d (-> + residual) (-> ReLU): outputs, gradients, running stats"
-import copy, io, pickle
+import contextlib, copy, io, pickle
+from unittest import mock
 import pytest, torch
 from torch import nn
 from hypothesis import given, settings, strategies as st, HealthCheck
 from clfast.fused import FusedConvBN2d, conv_bn_act
+from clfast import cpu_kernels
+
+PATHS = ['cpp', 'generic']
+
+@contextlib.contextmanager
+def cpu_path(path):
+    "'cpp': the CPU's one-op C++ layer (the default); 'generic': the op that CUDA and torch.compile use, on CPU kernels"
+    if path == 'cpp': yield
+    else:
+        with mock.patch('clfast.fused._cpu_layer_kernels', lambda x: None): yield
+
+needs_cxx = pytest.mark.skipif(bool(cpu_kernels.missing_toolchain()), reason=str(cpu_kernels.missing_toolchain()))
 
 def pair(cin, cout, k=3, stride=1, padding=1, dilation=1, groups=1, bias=False, relu=True, mode='speed',
          momentum=0.1, affine=True, track=True, device='cpu', dtype=torch.float32):
@@ -55,7 +68,8 @@ def compare(f, conv, bn, x, residual, relu, tol=(1e-4, 1e-5), gtol=(1e-3, 1e-4))
 @pytest.mark.parametrize('mode', ['speed', 'memory'])
 @pytest.mark.parametrize('train', [True, False])
 @pytest.mark.parametrize('relu,res', [(True, True), (False, True), (True, False)])
-def test_gradcheck(mode, train, relu, res):
+@pytest.mark.parametrize('path', PATHS)
+def test_gradcheck(mode, train, relu, res, path):
     f = FusedConvBN2d(3, 4, 3, stride=2, padding=1, bias=True, relu=relu, mode=mode, dtype=torch.float64)
     with torch.no_grad(): f.bn.weight.uniform_(0.5, 1.5); f.bn.bias.uniform_(-0.5, 0.5); f.bn.running_var.fill_(1.5)
     f.train(train)
@@ -64,7 +78,7 @@ def test_gradcheck(mode, train, relu, res):
     r = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True) if res else None
     fn = lambda x, w, b, bw, bb, *r: conv_bn_act(x, f, f.bn, r[0] if r else None, relu, mode)
     inputs = (x, f.weight, f.bias, f.bn.weight, f.bn.bias) + ((r,) if res else ())
-    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
+    with cpu_path(path): assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
 
 shapes = st.fixed_dictionaries(dict(
     n=st.sampled_from([1, 2, 3]), hw=st.sampled_from([1, 2, 5, 8]), cin=st.sampled_from([1, 3, 4]),
@@ -101,7 +115,9 @@ def _check_case(s, device='cpu'):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shapes)
-def test_matches_stock(s): _check_case(s)
+@pytest.mark.parametrize('path', PATHS)
+def test_matches_stock(path, s):
+    with cpu_path(path): _check_case(s)
 
 @pytest.mark.cuda
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -201,3 +217,59 @@ def test_torch_compile_fullgraph(mode):
     torch.testing.assert_close(r.grad, r2.grad)
     torch.testing.assert_close(f.bn.running_var, g.bn.running_var)
     assert f.bn.num_batches_tracked == g.bn.num_batches_tracked == 1
+
+@needs_cxx
+def test_cpu_layer_is_one_cpp_node():
+    "On the CPU in eager mode a fused layer is a single C++ autograd node; the generic op is a Python Function"
+    f = FusedConvBN2d(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    assert 'ConvBNAct' in f(x).grad_fn.name() and 'CppNode' in f(x).grad_fn.name()
+    with cpu_path('generic'): assert type(f(x).grad_fn).__name__ == 'ConvBNActFnBackward'
+
+@pytest.mark.parametrize('path', PATHS)
+def test_no_double_backward(path):
+    "Higher-order gradients raise (both paths are once-differentiable) instead of silently returning wrong ones"
+    f = FusedConvBN2d(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    with cpu_path(path):
+        out = f(x)
+        with pytest.raises(RuntimeError):
+            g, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+            g.sum().backward()
+
+@pytest.mark.parametrize('path', PATHS)
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+def test_gradient_in_another_layout(path, mode):
+    "A contiguous (not channels-last) incoming gradient for a channels-last output gives the stock gradients"
+    f, conv, bn = pair(4, 6, mode=mode)
+    x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)
+    r = torch.randn(2, 6, 6, 6)
+    with cpu_path(path):
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        of, os_ = f(xs[0], r), stock(conv, bn, xs[1], r)
+        g = torch.randn(of.shape)  # contiguous
+        of.backward(g); os_.backward(g)
+    close(xs[0].grad, xs[1].grad, 1e-3, 1e-4, what='dx')
+    close(f.bn.weight.grad, bn.weight.grad, 1e-3, 1e-4, what='bn dweight')
+
+@pytest.mark.parametrize('path', PATHS)
+def test_bf16_module(path):
+    "A model converted to bfloat16 (BN parameters and running stats in bf16 too) matches the stock bf16 modules"
+    f, conv, bn = pair(4, 8, dtype=torch.bfloat16)
+    x = torch.randn(3, 4, 6, 6, dtype=torch.bfloat16)
+    with cpu_path(path):
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        of, os_ = f(xs[0]), stock(conv, bn, xs[1])
+        of.float().sum().backward(); os_.float().sum().backward()
+    tol = dict(rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(of, os_, **tol)
+    assert f.bn.running_var.dtype == f.bn.weight.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(f.bn.running_mean, bn.running_mean, **tol)
+    torch.testing.assert_close(f.bn.running_var, bn.running_var, **tol)
+    torch.testing.assert_close(f.bn.weight.grad, bn.weight.grad, rtol=5e-2, atol=0.5)
+
+def test_inference_mode():
+    f, conv, bn = pair(3, 4)
+    for m in (f, conv, bn): m.eval()
+    x = torch.randn(2, 3, 5, 5)
+    with torch.inference_mode(): torch.testing.assert_close(f(x), torch.relu(bn(conv(x))))

@@ -273,3 +273,10 @@ def test_inference_mode():
     for m in (f, conv, bn): m.eval()
     x = torch.randn(2, 3, 5, 5)
     with torch.inference_mode(): torch.testing.assert_close(f(x), torch.relu(bn(conv(x))))
+
+@pytest.mark.parametrize('path', PATHS)
+def test_residual_shape_error(path):
+    "A residual that does not match the conv output is an error (the stock add would broadcast it silently)"
+    f = FusedConvBN2d(3, 4, 3, padding=1)
+    with cpu_path(path), pytest.raises(ValueError, match='residual shape'):
+        f(torch.randn(2, 3, 5, 5), torch.randn(2, 4, 1, 1))

@@ -117,6 +117,8 @@ struct ConvBNAct : public torch::autograd::Function<ConvBNAct> {
       }
     });
     Tensor res;
+    TORCH_CHECK_VALUE(!given(residual) || residual->sizes() == y.sizes(), "residual shape ", residual->sizes(),
+                      " must equal the conv output's ", y.sizes());
     if (given(residual)) res = channels_last(residual->scalar_type() == y.scalar_type() ? *residual
                                                                                         : residual->to(y.scalar_type()));
     Tensor out = at::empty_like(y);

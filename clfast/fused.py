@@ -50,12 +50,14 @@ def _direct_kernels(t:Tensor):
 
 def _rows(t, dtype): return None if t is None else ops.as_rows(t.to(dtype))
 
-# %% ../nbs/23_fused.ipynb #f5567a3b
+# %% ../nbs/23_fused.ipynb #ecfed7f4
 class ConvBNActFn(torch.autograd.Function):
     "conv → batch norm (batch statistics when `mean` is None, else the given ones) (→ + residual) (→ ReLU) as one op"
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, relu, memory):
         y = _conv(x, weight, bias, geom)
+        if residual is not None and residual.shape != y.shape:
+            raise ValueError(f"residual shape {list(residual.shape)} must equal the conv output's {list(y.shape)}")
         k = _direct_kernels(y)
         training = mean is None
         if training:

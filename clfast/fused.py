@@ -127,7 +127,7 @@ def _bn_factor(bn:nn.BatchNorm2d) -> float:
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
     return factor
 
-# %% ../nbs/23_fused.ipynb #257d391b
+# %% ../nbs/23_fused.ipynb #93098c33
 def _cpu_layer_kernels(x:Tensor):
     "The C++ kernels when this call can run as one C++ op (CPU, eager, kernels built), else None"
     if x.device.type != 'cpu' or torch.compiler.is_compiling(): return None
@@ -142,13 +142,13 @@ def _fused_call(x, w, b, bn, res, geom, relu, memory):
         return k.conv_bn_act(x, w, b, bn.weight, bn.bias, res, bn.running_mean if stats else None,
                              bn.running_var if stats else None, bn.num_batches_tracked if track else None,
                              *geom, bn.eps, bn.momentum, bn.training, relu, memory)
-    factor = _bn_factor(bn)
     batch_stats = bn.training or (bn.running_mean is None and bn.running_var is None)
     mean = var = None
     if not batch_stats:  # copies, so that a later in-place update cannot invalidate what backward saved
         acc = ops.acc_dtype(x.dtype)
         mean, var = bn.running_mean.detach().to(acc, copy=True), bn.running_var.detach().to(acc, copy=True)
     res = ConvBNActFn.apply(x, w, b, bn.weight, bn.bias, res, mean, var, geom, bn.eps, relu, memory)
+    factor = _bn_factor(bn)  # after the op: an input it rejects leaves num_batches_tracked as it was
     if not batch_stats: return res
     out, mean, var = res
     if bn.training and bn.track_running_stats and bn.running_mean is not None:

@@ -280,3 +280,4 @@ def test_residual_shape_error(path):
     f = FusedConvBN2d(3, 4, 3, padding=1)
     with cpu_path(path), pytest.raises(ValueError, match='residual shape'):
         f(torch.randn(2, 3, 5, 5), torch.randn(2, 4, 1, 1))
+    assert f.bn.num_batches_tracked == 0 and (f.bn.running_mean == 0).all() and (f.bn.running_var == 1).all()

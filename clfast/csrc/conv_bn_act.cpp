@@ -57,6 +57,7 @@ void store(Tensor& t, const std::vector<double>& v) {
     scalar_t* p = t.data_ptr<scalar_t>();
     for (size_t j = 0; j < v.size(); ++j) p[j] = scalar_t(v[j]);
   });
+  t.unsafeGetTensorImpl()->bump_version();  // as an in-place op would
 }
 
 // BatchNorm2d's bookkeeping: bump num_batches_tracked, then the running averages with the unbiased variance
@@ -93,6 +94,8 @@ struct ConvBNAct : public torch::autograd::Function<ConvBNAct> {
     const Tensor b = given(bias) ? *bias : Tensor();
     const Tensor y = channels_last(conv(x, weight, b, geom));
     const int64_t c = y.size(1), m = y.numel() / c;
+    TORCH_CHECK_VALUE(!given(residual) || residual->sizes() == y.sizes(), "residual shape ", residual->sizes(),
+                      " must equal the conv output's ", y.sizes());
     // batch statistics as BatchNorm2d: in training, or without running statistics
     const bool batch_stats = bn.training || (!given(bn.running_mean) && !given(bn.running_var));
     std::vector<double> mean(c), var(c);
@@ -117,8 +120,6 @@ struct ConvBNAct : public torch::autograd::Function<ConvBNAct> {
       }
     });
     Tensor res;
-    TORCH_CHECK_VALUE(!given(residual) || residual->sizes() == y.sizes(), "residual shape ", residual->sizes(),
-                      " must equal the conv output's ", y.sizes());
     if (given(residual)) res = channels_last(residual->scalar_type() == y.scalar_type() ? *residual
                                                                                         : residual->to(y.scalar_type()));
     Tensor out = at::empty_like(y);

@@ -32,7 +32,7 @@ def pct2nb(src:Path, dst:Path):
     flush()
     nb = dict(cells=cells, metadata=dict(kernelspec=dict(display_name='python3', language='python', name='python3')),
               nbformat=4, nbformat_minor=5)
-    dst.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + '\n')
+    dst.write_text(json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + '\n')
 
 def nb2pct(src:Path, dst:Path):
     "Write the percent script `dst` from the notebook `src`."
@@ -51,7 +51,7 @@ def add_ids(path:Path):
     for i, c in enumerate(nb['cells']):
         if not c.get('id'): c['id'] = hashlib.sha1(f"{i}:{''.join(c['source'])}".encode()).hexdigest()[:8]
     nb['nbformat'], nb['nbformat_minor'] = 4, max(nb.get('nbformat_minor', 5), 5)
-    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + '\n')
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + '\n')
 
 if __name__ == '__main__':
     if sys.argv[1:2] == ['--add-ids']:

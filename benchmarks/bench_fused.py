@@ -33,15 +33,16 @@ def saved_bytes(model, x):
     act = sum(n for p, n in store.items() if p not in params)
     return act, sum(store.values()) - act
 
-def interleaved(fns:dict, rounds:int, warmup:int=1, paired:list|None=None) -> dict:
-    "Median seconds per call of each fn, run round-robin (order reversed every other round) so noise hits all alike"
+def interleaved(fns:dict, rounds:int, warmup:int=1) -> dict:
+    "Seconds per call of each fn in each round, run round-robin (order reversed every other round) so noise hits all alike"
     times = {k: [] for k in fns}
     for r in range(warmup + rounds):
         for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
             t = time.perf_counter(); fns[k](); dt = time.perf_counter() - t
             if r >= warmup: times[k].append(dt)
-    if paired is not None: paired.append(times)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+def medians(times:dict) -> dict: return {k: statistics.median(v) for k, v in times.items()}
 
 def paired_ratios(times:dict, base:str, k:str) -> str:
     "Median and quartiles of the per-round ratios base/k (each round's two runs are seconds apart)"
@@ -71,7 +72,7 @@ def section_memory(args):
         act, par = saved_bytes(m, x)
         base = base or act
         print(f"saved activations {k:>7}: {act/MiB:8.1f} MiB ({act/base:6.1%} of stock)   [+ {par/MiB:.1f} MiB parameters]")
-    times = interleaved({k: train_step_fn(m, x) for k, m in models.items()}, args.rounds)
+    times = medians(interleaved({k: train_step_fn(m, x) for k, m in models.items()}, args.rounds))
     for k, t in times.items():
         print(f"train step {k:>7}: {t*1000:8.1f} ms   ratio stock/{k} = {times['stock']/t:.3f}  ({k}/stock = {t/times['stock']:.3f}x time)")
 
@@ -82,11 +83,11 @@ def section_train(args):
     stock = cl(torchvision.models.resnet50())
     models = {'stock_cl': stock, 'fused_speed': fuse_conv_bn(copy.deepcopy(stock), 'speed')}
     for amp in ([None, torch.bfloat16] if args.cpu_bf16 else [None]):
-        raw = []
-        times = interleaved({k: train_step_fn(m, x, amp=amp) for k, m in models.items()}, args.rounds, warmup=2, paired=raw)
+        raw = interleaved({k: train_step_fn(m, x, amp=amp) for k, m in models.items()}, args.rounds, warmup=2)
+        times = medians(raw)
         print(f"  {'bf16 autocast' if amp else 'fp32'}:")
         for k, t in times.items(): print(f"train step {k:>12}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}")
-        print("  " + paired_ratios(raw[0], 'stock_cl', 'fused_speed'))
+        print("  " + paired_ratios(raw, 'stock_cl', 'fused_speed'))
 
 def section_infer(args):
     print(f"\n## CPU inference: torchvision resnet50, batch {args.bs}, {args.px} px, fp32, eval, no_grad")
@@ -118,7 +119,7 @@ def section_infer(args):
         for k, (m, inp) in variants.items():
             err = (m(inp) - ref).abs().max().item()
             print(f"  {k:>16} max |diff| vs stock: {err:.2e}")
-    times = interleaved({k: run(*v) for k, v in variants.items()}, args.rounds * 2, warmup=2)
+    times = medians(interleaved({k: run(*v) for k, v in variants.items()}, args.rounds * 2, warmup=2))
     for k, t in times.items():
         print(f"inference {k:>16}: {t*1000:8.1f} ms   speedup vs stock_contiguous = {times['stock_contiguous']/t:.3f}"
               + (f"   vs compile_cl = {times['compile_cl']/t:.3f}" if 'compile_cl' in times else ''))

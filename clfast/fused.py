@@ -127,11 +127,10 @@ def _bn_factor(bn:nn.BatchNorm2d) -> float:
         factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
     return factor
 
-# %% ../nbs/23_fused.ipynb #93098c33
+# %% ../nbs/23_fused.ipynb #e6c66bf8
 def _cpu_layer_kernels(x:Tensor):
     "The C++ kernels when this call can run as one C++ op (CPU, eager, kernels built), else None"
-    if x.device.type != 'cpu' or torch.compiler.is_compiling(): return None
-    return ops.kernel_backend('cpu')
+    return _direct_kernels(x) if x.device.type == 'cpu' else None
 
 def _fused_call(x, w, b, bn, res, geom, relu, memory):
     "Run the fused layer; running statistics and `num_batches_tracked` are updated as `BatchNorm2d.forward` does"

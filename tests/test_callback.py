@@ -4,11 +4,12 @@ import fastai.callback.fp16 as fastai_fp16
 import fastai.callback.channelslast as fastai_cl
 from fastai.vision.all import Learner, MSELossFlat, DataLoaders, AMPMode, Callback, set_seed
 from clfast.core import is_channels_last
-from clfast.amp import MixedPrecision, cpu_native_dtypes
+from clfast.amp import MixedPrecision, resolve_amp
 from clfast.callback import ChannelsLast
 from helpers import *
 
-native_bf16 = pytest.mark.skipif(torch.bfloat16 not in cpu_native_dtypes(), reason="CPU without native bf16")
+CPU_BF16 = resolve_amp('cpu', 'bf16')[0]   # what the precision policy gives bf16 on this CPU (measured)
+native_bf16 = pytest.mark.skipif(CPU_BF16 != torch.bfloat16, reason="CPU without fast native bf16")
 
 def _fit(learn, *cbs, n=1):
     with learn.no_bar(), learn.no_logging(): learn.fit(n, 1e-3, cbs=list(cbs))
@@ -71,12 +72,16 @@ def test_idempotent():
 
 def test_replaces_fastai_callbacks():
     learn = tiny_learner(cbs=[fastai_cl.ChannelsLast(), fastai_fp16.MixedPrecision(AMPMode.BF16)])
-    with pytest.warns(UserWarning, match="replacing MixedPrecision\\(bf16\\) with MixedPrecision\\(fp16\\)"):
-        learn.to_channelslast()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        learn.to_channelslast()       # no amp_mode: the attached callback's mode is kept (fastai's rule), as clfast's
     types = [type(cb) for cb in learn.cbs]
     assert fastai_cl.ChannelsLast not in types and fastai_fp16.MixedPrecision not in types
     assert types.count(ChannelsLast) == 1 and types.count(MixedPrecision) == 1
-    assert learn.mixed_precision.amp_mode == AMPMode.FP16
+    assert learn.mixed_precision.amp_mode == AMPMode.BF16
+    with pytest.warns(UserWarning, match="replacing MixedPrecision\\(bf16\\) with MixedPrecision\\(fp16\\)"):
+        learn.to_channelslast(amp_mode='fp16')
+    assert learn.mixed_precision.amp_mode == AMPMode.FP16 and types.count(MixedPrecision) == 1
 
 def test_use_amp_false_converts_fastai_amp_keeping_mode():
     learn = tiny_learner(cbs=fastai_fp16.MixedPrecision(AMPMode.BF16)).to_channelslast(use_amp=False)
@@ -127,10 +132,9 @@ def test_cpu_no_cuda_warning_and_precision_reported():
         warnings.simplefilter('always')
         _fit(learn)
     assert not any('CUDA' in str(o.message) for o in w)
-    expected = torch.bfloat16 if torch.bfloat16 in cpu_native_dtypes() else torch.float32
-    assert learn.mixed_precision.dtype == expected
+    assert learn.mixed_precision.dtype == CPU_BF16
 
-@pytest.mark.skipif(torch.float16 in cpu_native_dtypes(), reason="CPU computes fp16 natively")
+@pytest.mark.skipif(resolve_amp('cpu', 'fp16')[0] != torch.float32, reason="fp16 or bf16 is fast on this CPU")
 def test_cpu_fp16_falls_back_to_fp32_with_one_warning():
     probe, scaler_on = Probe(), []
     class Scaler(Callback):

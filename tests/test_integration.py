@@ -6,10 +6,10 @@ from sklearn.datasets import load_digits
 from fastai.vision.all import (ImageDataLoaders, SegmentationDataLoaders, Normalize, imagenet_stats, vision_learner,
                                unet_learner, resnet18, accuracy, Callback, first)
 from clfast.core import is_channels_last
-from clfast.amp import cpu_native_dtypes
+from clfast.amp import resolve_amp
 from clfast.callback import ChannelsLast
 
-AMP = 'bf16' if torch.bfloat16 in cpu_native_dtypes() else 'fp16'   # the native one, else a warned fp32 fallback
+AMP = 'bf16' if resolve_amp('cpu', 'bf16')[0] == torch.bfloat16 else 'fp16'   # the fast one, else a warned fp32 fallback
 
 @pytest.fixture(scope='module')
 def digit_files(tmp_path_factory):

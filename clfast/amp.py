@@ -81,12 +81,12 @@ def cpu_amp_speed(refresh:bool=False) -> dict:
         res[dtype] = ratio
     return res
 
-# %% ../nbs/01_amp.ipynb #285d207e
+# %% ../nbs/01_amp.ipynb #58c799b5
 def _cpu_why(dtype, speed) -> str:
     r = speed.get(dtype, math.inf)
     name = _DTYPE_NAMES[dtype]
     if math.isinf(r): return f"this CPU has no native {name} (oneDNN would emulate it, several times slower than fp32)"
-    return f"{name} is native on this CPU but a conv training step measured {r:.2g}x fp32's time"
+    return f"{name} is native on this CPU but a conv training step measured {r:.3g}x fp32's time"
 
 def _cpu_choice(dtype, speed) -> torch.dtype:
     "`dtype` if it is fast here; fp16 falls back to bf16 if that is fast; else fp32"
@@ -94,7 +94,7 @@ def _cpu_choice(dtype, speed) -> torch.dtype:
         if speed.get(cand, math.inf) <= FAST_ENOUGH: return cand
     return torch.float32
 
-# %% ../nbs/01_amp.ipynb #5420c863
+# %% ../nbs/01_amp.ipynb #7f1b7825
 def resolve_amp(device:torch.device|str, amp_mode:str|AMPMode) -> tuple:
     "The `(dtype, use_scaler, reason)` that `amp_mode` really gives on `device`: on a CPU the fastest of it, bf16 and fp32"
     device, mode = torch.device(device), amp_mode_of(amp_mode)
@@ -107,7 +107,7 @@ def resolve_amp(device:torch.device|str, amp_mode:str|AMPMode) -> tuple:
         speed = cpu_amp_speed()
         chosen = _cpu_choice(dtype, speed)
         if chosen == dtype: return dtype, dtype == torch.float16, ''
-        how = (f"bf16 ({speed[chosen]:.2g}x fp32's step time, no loss scaling needed)" if chosen == torch.bfloat16
+        how = (f"bf16 ({speed[chosen]:.3g}x fp32's step time, no loss scaling needed)" if chosen == torch.bfloat16
                else "fp32")
         hint = " Pass amp_mode='bf16' to ask for it directly." if chosen == torch.bfloat16 else " use_amp=False (or learn.to_fp32()) trains in fp32 without this warning."
         return chosen, False, f"amp_mode={mode.value!r}: {_cpu_why(dtype, speed)}, so training in {how} instead.{hint}"
@@ -117,9 +117,11 @@ def resolve_amp(device:torch.device|str, amp_mode:str|AMPMode) -> tuple:
         return dtype, dtype == torch.float16, ''
     return torch.float32, False, f"No mixed precision on {device.type}: training in fp32."
 
-# %% ../nbs/01_amp.ipynb #ae725bae
+# %% ../nbs/01_amp.ipynb #37fc5fc0
+_LSTM_IN_FP32 = set()   # CPU autocast dtypes in which aten::lstm runs in fp32 instead
+
 def _lstm_runs(dtype) -> bool:
-    "Whether a small LSTM runs forward and backward under CPU autocast `dtype`"
+    "Whether a small LSTM runs forward and backward under CPU autocast `dtype` (measure it before `cpu_fp32_fallbacks` registers its kernel)"
     with torch.random.fork_rng(devices=[]):
         lstm, x = nn.LSTM(8, 8, batch_first=True), torch.randn(2, 3, 8, requires_grad=True)
     try:
@@ -128,17 +130,16 @@ def _lstm_runs(dtype) -> bool:
         return True
     except RuntimeError: return False
 
-_LSTM_IN_FP32, _lstm_lib = set(), None
+_lstm_lib = None
 _NO_AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
-def _lstm_autocast_cpu(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
-    "aten::lstm under CPU autocast: fp32 where the autocast dtype cannot run it, else the autocast dtype (stock policy)"
-    dtype = torch.get_autocast_dtype('cpu')
-    if dtype in _LSTM_IN_FP32: dtype = torch.float32
-    cast = lambda t: t.to(dtype) if t.is_floating_point() else t
-    with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST_CPU):
-        return torch.ops.aten.lstm.input(cast(input), [cast(h) for h in hx], [cast(p) for p in params], has_biases,
-                                         num_layers, dropout, train, bidirectional, batch_first)
+def _lstm_autocast_cpu(*args):
+    "aten::lstm under CPU autocast: in fp32 where the autocast dtype cannot run it, else stock (its inner ops autocast)"
+    # another autocast dtype: lstm's decomposition, whose inner ops autocast as usual (aten::lstm itself has no autocast rule)
+    if torch.get_autocast_dtype('cpu') not in _LSTM_IN_FP32: return torch.ops.aten.lstm.input.decompose(*args)
+    f32 = lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    args = [[f32(t) for t in a] if isinstance(a, (list, tuple)) else f32(a) for a in args]
+    with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST_CPU): return torch.ops.aten.lstm.input(*args)
 
 def cpu_fp32_fallbacks(dtype:torch.dtype) -> list:
     "Make the ops that cannot run under CPU autocast `dtype` here run in fp32 instead; returns their names"

@@ -33,3 +33,14 @@ class RawProbe(Callback):
     order = -5
     def __init__(self): self.xb = []
     def before_batch(self): self.xb.append(self.learn.xb)
+
+def datasets_learner(n=48, c=3, size=16, bs=16, seed=0, **kw):
+    "`tiny_learner` over fastai `Datasets` (split indices, typed items), so `tta` and `predict` work as on real data"
+    from fastai.data.core import Datasets
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, size, size, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long()
+    cut = n * 3 // 4
+    dsets = Datasets(range(n), [[lambda i: TensorImage(x[i])], [lambda i: TensorCategory(y[i])]],
+                     splits=[list(range(cut)), list(range(cut, n))])
+    return Learner(dsets.dataloaders(bs=bs, device='cpu'), conv_net(c), loss_func=CrossEntropyLossFlat(), opt_func=Adam, **kw)

@@ -92,7 +92,7 @@ class _DefaultAMP(str):
     def __repr__(self): return 'AMPMode.FP16'
 _DEFAULT_AMP = _DefaultAMP(AMPMode.FP16.value)
 
-# %% ../nbs/02_callback.ipynb #3711d686
+# %% ../nbs/02_callback.ipynb #e8da53c1
 @patch
 @delegates(GradScaler)
 def to_channelslast(self:Learner,
@@ -100,10 +100,17 @@ def to_channelslast(self:Learner,
     amp_mode:str|AMPMode=_DEFAULT_AMP, # Mixed Precision training mode. Supports fp16 and bf16.
     *,
     fuse:str|bool=False, # Fuse conv-BN(-ReLU)(+add) blocks: 'speed', 'memory' or False (unfuses a fused model)
+    auto:bool=False, # Measure this model on its batches (`format_find`) and apply the fastest setup that trains the same
     **kwargs
 ):
     "Set `Learner` and inputs to `channels_last` format and float16 Mixed Precision by default"
     explicit = amp_mode is not _DEFAULT_AMP or bool(kwargs)
+    if auto:
+        if explicit or fuse is not False or not use_amp:
+            raise ValueError("to_channelslast(auto=True) chooses the format, precision and fuse mode itself: drop "
+                             "use_amp/amp_mode/fuse/GradScaler arguments, or drop auto=True.")
+        from clfast.finder import auto_setup
+        return auto_setup(self)
     amp_mode, fuse = amp_mode_of(amp_mode), fuse_mode(fuse)
     new_amp = MixedPrecision(amp_mode, **kwargs) if use_amp else None   # its arguments checked before anything changes
     self.remove_cbs(_find_cbs(self, fastai_cl.ChannelsLast, ChannelsLast))

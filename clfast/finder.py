@@ -240,11 +240,12 @@ def best_setup(df:pd.DataFrame) -> tuple:
     if drifted: why += f"; left out for loss drift: {', '.join(drifted)}"
     return setups[name], why
 
-# %% ../nbs/30_finder.ipynb #0494cef9
+# %% ../nbs/30_finder.ipynb #a529c3f5
 def apply_setup(learn:Learner, setup:Setup, why:str='') -> Learner:
     "Set `learn` up as `setup` says, through `to_channelslast` / `to_contiguous`, printing `why`"
     if setup.compile: warnings.warn("format_find: torch.compile is not applied by clfast; compile the model yourself.")
-    if not setup.channels_last: learn.to_contiguous(to_fp32=True)
+    learn.to_fp32()
+    if not setup.channels_last: learn.to_contiguous()
     else:
         mode = {torch.bfloat16: 'bf16', torch.float16: 'fp16'}.get(setup.dtype)
         learn.to_channelslast(use_amp=mode is not None, amp_mode=mode or 'fp16', fuse=setup.fuse or False)

@@ -76,10 +76,11 @@ def conv_model(bn=True):
     return nn.Sequential(conv_body(bn), nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 1)))
 
 def conv_learner(bn=True, data=None, lr=1e-3, setup='to_channelslast', **kwargs):
-    "A conv `synth_learner`; `setup` names the `Learner` method that prepares it (fastai's in stock, clfast's patch)"
+    "A conv `synth_learner`; `setup` (a name or a function of the learner) calls the `Learner` methods that prepare it"
     learn = Learner(data or conv_dbunch(), conv_model(bn), lr=lr, loss_func=MSELossFlat(),
                     opt_func=partial(SGD, mom=0.9), **kwargs)
-    if setup == 'to_channelslast': learn.to_channelslast()
+    if callable(setup): setup(learn)
+    elif setup == 'to_channelslast': learn.to_channelslast()
     elif setup == 'to_channelslast_fp32': learn.to_channelslast(use_amp=False)
     elif setup == 'to_fp16': learn.to_fp16()
     return learn
@@ -366,9 +367,11 @@ def gradient_accumulation_matches_one_big_batch(kind):
 
 @case(NB_TRAIN, KINDS)
 def gradient_accumulation_with_mixed_precision(kind):
-    "CPU part of the #cuda cell: the same with `MixedPrecision(init_scale=1024)` (on the conv learner via `to_fp16`)"
+    "CPU part of the #cuda cell: the same with `MixedPrecision(init_scale=1024)` (conv: `to_channelslast`'s fp16)"
     cb = [MixedPrecision(init_scale=1024)] if kind == 'synth' else []
-    setup = 'to_fp16' if kind == 'conv' else None
+    # GetGrads records the loss-scaled gradients (it runs before MixedPrecision unscales them): a loss scale of 16 keeps
+    # the conv's fp16 backward finite where a CPU autocasts in fp16 (1024 overflows it, and the step would be skipped)
+    setup = (lambda learn: learn.to_channelslast(init_scale=16)) if kind == 'conv' else None
     train1, valid1, grads1 = _accumulated(kind, 8, 1, cb, setup=setup)
     cb = [MixedPrecision(init_scale=1024)] if kind == 'synth' else []
     train2, valid2, grads2 = _accumulated(kind, 1, 8, [GradientAccumulation(n_acc=8)] + cb, setup=setup)

@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 
 CASES = Path(__file__).with_name('fastai_port_cases.py')
-MIN_STOCK_PASSES = 40   # of the 47 cases a CPU-only stock run can pass: fewer means the harness broke, not fastai
+# a CPU-only run today: stock passes 41 (35 checks both run + 6 stock-only), clfast 42 (35 + 7 clfast-only);
+# far fewer means the harness broke, not the libraries
+MIN_STOCK_PASSES, MIN_SHARED = 38, 33
 
 @pytest.fixture(scope='module')
 def results(tmp_path_factory):
@@ -39,7 +41,7 @@ def test_stock_fastai_passes_the_ported_checks(results):
 def test_clfast_passes_every_check_stock_fastai_passes(results):
     stock, clf = results['stock'], results['clfast']
     shared = [k for k in stock if stock[k] == 'pass' and not clf[k].startswith('skip')]
-    assert len(shared) >= MIN_STOCK_PASSES - 10
+    assert len(shared) >= MIN_SHARED, f"only {len(shared)} checks ran and passed on stock fastai and ran with clfast"
     broken = {k: clf[k] for k in shared if clf[k] != 'pass'}
     assert not broken, "passes on stock fastai, fails with clfast:\n" + json.dumps(broken, indent=1)
 
@@ -52,5 +54,5 @@ def test_clfast_deliberate_differences_hold(results):
 def test_stock_behaviour_clfast_differs_from_still_holds(results):
     "The stock-only counterparts: what fastai does where clfast differs (so the README's list stays true)"
     theirs = {k: v for k, v in results['stock'].items() if results['clfast'][k] == 'skip: stock only'}
-    assert len(theirs) >= 5, sorted(theirs)
+    assert len(theirs) >= 6, sorted(theirs)
     assert all(v == 'pass' for v in theirs.values()), json.dumps(theirs, indent=1)

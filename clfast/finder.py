@@ -20,7 +20,7 @@ from .fuse import fuse_conv_bn
 
 # %% auto #0
 __all__ = ['BASELINE', 'DRIFT_TOL', 'Setup', 'fast_dtypes', 'default_setups', 'measure_setups', 'plot_setups', 'best_setup',
-           'apply_setup', 'auto_setup', 'bench_model']
+           'apply_setup', 'auto_setup', 'bench_model', 'main']
 
 # %% ../nbs/30_finder.ipynb #ca5237ea
 @dataclass(frozen=True)
@@ -276,3 +276,19 @@ def bench_model(arch:str, bs:int=16, size:int=160, steps:int=5, device=None, set
                    for _ in range(steps + 1)]
         make_opt = lambda m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
         return measure_setups(model, batches, nn.functional.cross_entropy, make_opt, setups, device, budget, progress)
+
+# %% ../nbs/30_finder.ipynb #53e7b7bb
+def main(argv=None):
+    "`clfast bench`: the format finder's table for a timm/torchvision model on random images"
+    import json
+    from clfast.cli import bench_parser
+    a = bench_parser().parse_args(argv)
+    df = bench_model(a.arch, a.bs, a.size, a.steps, device=a.device, progress=not a.json,
+                     setups=default_setups(a.device or ('cuda' if torch.cuda.is_available() else 'cpu'), a.compile))
+    if a.json: print(json.dumps({'arch': a.arch, 'bs': a.bs, 'size': a.size, 'device': df.attrs['device'],
+                                 'memory': df.attrs['memory'], 'rows': df.reset_index().to_dict('records')}, default=str))
+    else:
+        print(f"clfast bench: {a.arch}, batch {a.bs}, {a.size} px, {a.steps} measured steps per setup, {df.attrs['device']}; "
+              f"memory = {df.attrs['memory']}")
+        with pd.option_context('display.width', 160, 'display.max_columns', 10, 'display.precision', 3): print(df)
+        print(f"best: {best_setup(df)[1]}")

@@ -243,12 +243,12 @@ def _learner_loss(learn:Learner, yb):
     "The learner's loss on the prediction, as its training step computes it"
     return lambda pred: learn.loss_func(pred, *yb)
 
-# %% ../nbs/10_audit.ipynb #2f0ef3a0
+# %% ../nbs/10_audit.ipynb #44324d99
 def _fit_only(cb:Callback) -> bool:
     "Callbacks whose `before_batch` needs a running fit and does not change the batch, or audits it itself"
     from fastai.callback.fp16 import MixedPrecision as FastaiMP
     from fastai.callback.schedule import ParamScheduler
-    from .amp import MixedPrecision
+    from clfast.amp import MixedPrecision
     return isinstance(cb, (MixedPrecision, FastaiMP, ParamScheduler, ChannelsLastAudit))
 
 _STEP_ATTRS = ('xb', 'yb', 'training', 'iter', 'dl', 'n_iter')
@@ -262,11 +262,11 @@ def _fit_batch(learn:Learner, b):
         if not _fit_only(cb): cb('before_batch')
     return tuple(learn.xb), tuple(learn.yb)
 
-# %% ../nbs/10_audit.ipynb #c3c07bef
+# %% ../nbs/10_audit.ipynb #f92d4f10
 def _not_channels_last(learn:Learner) -> str|None:
     "Why the learner's training would not run channels-last, or None"
     import fastai.callback.channelslast as fastai_cl
-    from .callback import ChannelsLast
+    from clfast.callback import ChannelsLast
     if any(isinstance(cb, (ChannelsLast, fastai_cl.ChannelsLast)) for cb in learn.cbs): return None
     if any(cl_format(p) is not None and not is_ambiguous(p) and is_channels_last(p) for p in learn.model.parameters()): return None
     return ("not audited: the model is not channels-last (no ChannelsLast callback, contiguous weights), so training "

@@ -114,48 +114,51 @@ class _LayoutMode(TorchDispatchMode):
         self.check(func, args, kwargs or {}, out)
         return out
 
-# %% ../nbs/10_audit.ipynb #5d02d3bf
+# %% ../nbs/10_audit.ipynb #11ab10d4
 _COLS = ['module', 'op', 'phase', 'kind', 'shape', 'dtype', 'bytes']
 
 def _mb(n) -> str: return f"{n/2**20:.2f} MB"
 
 class ChannelsLastReport:
     "Channels-last events of an audited run: `.events` (one row each), `.ok`, `.summary()`, `.plot()`"
-    def __init__(self, events=(), module_types:dict|None=None):
+    def __init__(self, events=(), module_types:dict|None=None,
+                 note:str|None=None): # why the run could not be audited (then `ok` is False)
         self.events = pd.DataFrame(list(events), columns=_COLS)
-        self.module_types = dict(module_types or {})
+        self.module_types, self.note = dict(module_types or {}), note
 
     @property
-    def ok(self) -> bool: return len(self.events) == 0
+    def ok(self) -> bool: return len(self.events) == 0 and self.note is None
 
     def _typed(self) -> pd.DataFrame:
         return self.events.assign(module_type=[self.module_types.get(m, m) for m in self.events.module])
 
     def summary(self) -> pd.DataFrame:
         "Events grouped by module type and op: count and bytes, most bytes first"
-        if self.ok: return pd.DataFrame(columns=['module_type', 'op', 'count', 'bytes'])
+        if self.events.empty: return pd.DataFrame(columns=['module_type', 'op', 'count', 'bytes'])
         g = self._typed().groupby(['module_type', 'op'], sort=False)
         return (g.agg(count=('op', 'size'), bytes=('bytes', 'sum')).reset_index()
                  .sort_values('bytes', ascending=False, kind='stable').reset_index(drop=True))
 
     def _header(self) -> str:
+        if self.note is not None: return f"ChannelsLastReport: {self.note}"
         if self.ok: return "ChannelsLastReport: no channels-last events"
         n = self.events.phase.value_counts()
         return (f"ChannelsLastReport: {len(self.events)} events ({n.get('forward', 0)} forward, "
                 f"{n.get('backward', 0)} backward), {_mb(self.events.bytes.sum())} allocated off channels-last")
 
     def __str__(self):
-        if self.ok: return self._header()
+        if self.events.empty: return self._header()
         return f"{self._header()}\n{self.summary().to_string(index=False)}"
     __repr__ = __str__
 
     def _repr_html_(self):
-        if self.ok: return f"<p>{self._header()}</p>"
+        if self.events.empty: return f"<p>{self._header()}</p>"
         return f"<p>{self._header()}</p>{self.summary().to_html(index=False)}{self.events.to_html(index=False)}"
 
     def __add__(self, other:ChannelsLastReport) -> ChannelsLastReport:
+        notes = [n for n in (self.note, other.note) if n is not None]
         return ChannelsLastReport(self.events.to_dict('records') + other.events.to_dict('records'),
-                                  {**self.module_types, **other.module_types})
+                                  {**self.module_types, **other.module_types}, '; '.join(dict.fromkeys(notes)) or None)
 
     def plot(self, ax=None, top:int=20):
         "Horizontal bar chart of bytes per module (the `top` largest), returns the matplotlib axes"
@@ -240,25 +243,61 @@ def _learner_loss(learn:Learner, yb):
     "The learner's loss on the prediction, as its training step computes it"
     return lambda pred: learn.loss_func(pred, *yb)
 
-# %% ../nbs/10_audit.ipynb #96c713ee
+# %% ../nbs/10_audit.ipynb #44324d99
+def _fit_only(cb:Callback) -> bool:
+    "Callbacks whose `before_batch` needs a running fit and does not change the batch, or audits it itself"
+    from fastai.callback.fp16 import MixedPrecision as FastaiMP
+    from fastai.callback.schedule import ParamScheduler
+    from clfast.amp import MixedPrecision
+    return isinstance(cb, (MixedPrecision, FastaiMP, ParamScheduler, ChannelsLastAudit))
+
+_STEP_ATTRS = ('xb', 'yb', 'training', 'iter', 'dl', 'n_iter')
+
+def _fit_batch(learn:Learner, b):
+    "The (xb, yb) of batch `b` as the training step of `fit` gets them: on the model's device, after `before_batch`"
+    learn.training, learn.iter, learn.dl = True, 0, learn.dls.train
+    learn.n_iter = len(learn.dl)
+    learn._split(learn._set_device(b))
+    for cb in learn.cbs.sorted('order'):
+        if not _fit_only(cb): cb('before_batch')
+    return tuple(learn.xb), tuple(learn.yb)
+
+# %% ../nbs/10_audit.ipynb #f92d4f10
+def _not_channels_last(learn:Learner) -> str|None:
+    "Why the learner's training would not run channels-last, or None"
+    import fastai.callback.channelslast as fastai_cl
+    from clfast.callback import ChannelsLast
+    if any(isinstance(cb, (ChannelsLast, fastai_cl.ChannelsLast)) for cb in learn.cbs): return None
+    if any(cl_format(p) is not None and not is_ambiguous(p) and is_channels_last(p) for p in learn.model.parameters()): return None
+    return ("not audited: the model is not channels-last (no ChannelsLast callback, contiguous weights), so training "
+            "never runs channels-last; call `learn.to_channelslast()` first")
+
+# %% ../nbs/10_audit.ipynb #7aa21258
 @patch
 def audit_channelslast(self:Learner, n_batches:int=1, strict:bool=False) -> ChannelsLastReport:
-    "Audit the learner's model on its own first `n_batches` training batches, as its channels-last callback would run it"
-    model, cl = self.model, hasattr(self, 'channels_last')
+    "Audit the learner's model on its first `n_batches` training batches, each as `fit` hands it to the model"
+    if n_batches < 1: raise ValueError(f"n_batches must be at least 1, got {n_batches}")
+    why = _not_channels_last(self)
+    if why: return ChannelsLastReport(note=why)
+    model = self.model
     flags = [(m, m.training) for m in model.modules()]
     params = [(p, p.data, p.grad) for p in model.parameters()]
     bufs = [(m, k, b) for m in model.modules() for k, b in m._buffers.items()]
+    state = {k: self.__dict__[k] for k in _STEP_ATTRS if k in self.__dict__}
     report = ChannelsLastReport()
     try:
-        if cl: model_to(model)
+        model_to(model)   # as `ChannelsLast.before_fit`
         model.train()
-        for xb, yb in _train_batches(self, n_batches):
-            if cl: xb = to_channels_last(xb)
+        for b in _train_batches(self, n_batches):
+            xb, yb = _fit_batch(self, (*b[0], *b[1]))
             report = report + audit(model, *xb, strict=strict, loss_fn=_learner_loss(self, yb))
-    finally:   # put back the very tensors the model had: same layout, values, gradients
+    finally:   # put back the very tensors the model had (same layout, values, gradients) and the learner's step state
         for m, t in flags: m.training = t
         for p, data, grad in params: p.data, p.grad = data, grad
         for m, k, b in bufs: m._buffers[k] = b
+        for k in _STEP_ATTRS:
+            if k in state: self.__dict__[k] = state[k]
+            else: self.__dict__.pop(k, None)
     return report
 
 # %% ../nbs/10_audit.ipynb #21cd44d2

@@ -5,7 +5,7 @@ import pytest, torch, timm, torchvision
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
-from fastai.vision.all import DataLoaders, vision_learner, CrossEntropyLossFlat, resnet18
+from fastai.vision.all import DataLoaders, vision_learner, CrossEntropyLossFlat, resnet18, Callback
 from clfast.core import model_to, to_channels_last, is_channels_last
 from clfast.audit import audit, ChannelsLastReport, ChannelsLastAudit, ChannelsLastError
 
@@ -229,8 +229,54 @@ def test_learner_audit_restores_the_model():
 
 def test_learner_audit_without_channels_last_callback():
     r = make_learner(64).audit_channelslast()   # model left contiguous, as the learner would train it
-    assert r.ok, r
+    assert not r.ok and r.events.empty and 'not channels-last' in str(r) and 'to_channelslast()' in str(r)
+    assert 'not channels-last' in r._repr_html_() and 'not channels-last' in str(r + ChannelsLastReport())
     with pytest.raises(ValueError, match='n_batches'): make_learner(32).audit_channelslast(n_batches=0)
+
+# --- real image folders: the batch as fit hands it to the model ---
+
+@pytest.fixture(scope='module')
+def digit_folder(tmp_path_factory):
+    "An image folder of real handwritten digits (scikit-learn's bundled scans): 3 classes x 8 PNGs"
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    d, path = load_digits(), tmp_path_factory.mktemp('digits')
+    for t in range(3):
+        (path/str(t)).mkdir()
+        for i in np.flatnonzero(d.target == t)[:8]:
+            Image.fromarray((d.images[i] * 255 / 16).astype(np.uint8)).convert('RGB').save(path/str(t)/f'{i}.png')
+    return path
+
+def folder_learner(path, **kw):
+    from fastai.vision.all import ImageDataLoaders, Resize
+    dls = ImageDataLoaders.from_folder(path, valid_pct=0.25, seed=0, bs=8, item_tfms=Resize(64), device='cpu')
+    return vision_learner(dls, resnet18, pretrained=False, **kw)
+
+class Spy(Callback):
+    "Records the type of the batch each `before_batch` sees"
+    order = 50
+    def __init__(self): self.types = []
+    def before_batch(self): self.types.append(type(self.xb[0]))
+
+def test_learner_audit_on_image_folder(digit_folder):
+    "ImageDataLoaders yield TensorImage: the audit runs CastToTensor as fit does, so it sees training's plain tensor"
+    from fastai.vision.all import TensorImage
+    spy = Spy()
+    learn = folder_learner(digit_folder, cbs=spy).to_channelslast(amp_mode='bf16')   # MixedPrecision is left out
+    assert type(learn.dls.one_batch()[0]) is TensorImage
+    r = learn.audit_channelslast()
+    # the subclass's own copies (44 backward events at 64 px) are gone: the head's max/avg-pool gradients remain
+    assert rows(r) == [('1.0.mp', 'aten.add', 'backward', 'lost')], r
+    assert spy.types == [torch.Tensor]
+    assert not learn.training and 'xb' not in learn.__dict__ and 'iter' not in learn.__dict__   # the step state put back
+    # the TensorImage itself, which training never runs, reports many more
+    xb, yb = learn.dls.one_batch()
+    sub = audit(model_to(learn.model), to_channels_last(xb), loss_fn=lambda p: learn.loss_func(p, yb))
+    assert len(sub.events) > 10
+    with warnings.catch_warnings():   # bf16 falls back to fp32 on CPUs without native bf16, with a warning
+        warnings.simplefilter('ignore'); learn.fit(1)   # the learner still trains after both audits
+    assert spy.types[-1] is torch.Tensor
 
 def test_callback_warns_once():
     learn = make_learner(64).to_channelslast(use_amp=False)

@@ -1,0 +1,44 @@
+"The `clfast` command: options parsed before torch loads, defaults shown, any torchvision/timm arch trains with progress."
+import subprocess, sys, pytest
+from clfast.cli import main
+from clfast.demo import main as demo_main
+
+def _run(*args):
+    "`clfast ARGS` in a fresh interpreter; also reports whether torch or fastai got imported"
+    code = ("import sys; from clfast.cli import main\ntry: main(sys.argv[1:])\nexcept SystemExit as e: print('exit', e.code)\n"
+            "print('heavy', any(m in sys.modules for m in ('torch', 'fastai')))")
+    return subprocess.run([sys.executable, '-c', code, *args], capture_output=True, text=True)
+
+@pytest.mark.parametrize('cmd', ['demo', 'audit-models'])
+def test_help_without_torch(cmd):
+    r = _run(cmd, '--help')
+    assert 'exit 0' in r.stdout and 'heavy False' in r.stdout, r.stdout + r.stderr
+    assert '(default: ' in r.stdout
+
+def test_help_shows_defaults():
+    out = ' '.join(_run('demo', '--help').stdout.split())   # argparse wraps lines
+    for d in ['(default: simple)', '(default: 3)', '(default: auto)', '(default: 64)', '(default: 42)',
+              "default: fastai's default device", 'default: no fusion']: assert d in out, d
+
+@pytest.mark.parametrize('args,msg', [(['--epochs', '0'], 'argument --epochs: must be at least 1, got 0'),
+                                      (['--bs', 'x'], "argument --bs: 'x' is not an integer"),
+                                      (['--amp', 'fp8'], "argument --amp: invalid choice: 'fp8'"),
+                                      (['--nope'], 'unrecognized arguments: --nope')])
+def test_bad_options_fail_fast(args, msg):
+    r = _run('demo', *args)
+    assert 'exit 2' in r.stdout and msg in r.stderr and 'heavy False' in r.stdout, r.stdout + r.stderr
+
+def test_demo_any_arch(capsys):
+    "`clfast demo --arch` with a torchvision and a timm classifier (both failed to infer a loss function before)"
+    for arch in ('resnet18', 'resnet18d'):
+        res = main(['demo', '--arch', arch, '--epochs', '1', '--bs', '8', '--items', '20', '--device', 'cpu'])
+        out = capsys.readouterr().out
+        assert res == 0
+        # progress first: a line before each run and one per epoch, then the table
+        assert out.index('[1/2] contiguous fp32') < out.index('epoch 1/1: train_loss') < out.index('[2/2] to_channelslast')
+        assert out.index('[2/2] to_channelslast') < out.index('setup ') and f'arch={arch}, 1 epoch, bs=8' in out
+        assert '(20 real scans' in out
+
+def test_unknown_arch():
+    with pytest.raises(ValueError, match="Unknown arch 'resnet_nope'.*torchvision model name"):
+        demo_main(['--arch', 'resnet_nope', '--epochs', '1', '--items', '40', '--device', 'cpu'])

@@ -7,12 +7,13 @@ from __future__ import annotations
 import argparse, importlib, sys
 
 # %% auto #0
-__all__ = ['COMMANDS', 'PARSERS', 'positive_int', 'demo_parser', 'audit_models_parser', 'main']
+__all__ = ['COMMANDS', 'PARSERS', 'positive_int', 'demo_parser', 'audit_models_parser', 'bench_parser', 'main']
 
-# %% ../nbs/90_cli.ipynb #0e7d3893
+# %% ../nbs/90_cli.ipynb #529766a6
 COMMANDS = {  # subcommand -> (module with `main(argv)`, what it does)
     'demo': ('clfast.demo', "train a small CNN on real digits, contiguous fp32 vs learn.to_channelslast()"),
     'audit-models': ('clfast.audit_models', "audit torchvision and timm models for channel thrashing"),
+    'bench': ('clfast.finder', "measure a timm/torchvision model in every format, precision and fuse mode (format finder)"),
 }
 
 # %% ../nbs/90_cli.ipynb #53e692c7
@@ -55,7 +56,7 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument('--seed', type=int, default=42, help="random seed of both runs")
     return p
 
-# %% ../nbs/90_cli.ipynb #6d65e977
+# %% ../nbs/90_cli.ipynb #65be199a
 def audit_models_parser() -> argparse.ArgumentParser:
     "Options of `clfast audit-models`"
     p = _parser('clfast audit-models', "Audit torchvision and timm models (random weights, CPU, train mode, forward and "
@@ -67,7 +68,21 @@ def audit_models_parser() -> argparse.ArgumentParser:
     p.add_argument('--out', default='audit_coverage', help='output path without extension')
     return p
 
-PARSERS = {'demo': demo_parser, 'audit-models': audit_models_parser}
+def bench_parser() -> argparse.ArgumentParser:
+    "Options of `clfast bench`"
+    p = _parser('clfast bench', "Train a timm or torchvision classifier (random weights) on random images in each setup "
+                "(contiguous fp32; channels-last in each precision that is fast here x fuse off/speed/memory), setups "
+                "taking turns, and print speed, memory and loss drift against contiguous fp32.")
+    p.add_argument('--arch', required=True, help="a torchvision or timm model name, e.g. resnet50, efficientnet_b0")
+    p.add_argument('--bs', type=positive_int, default=16, help="batch size")
+    p.add_argument('--size', type=positive_int, default=160, help="image size in pixels")
+    p.add_argument('--steps', type=positive_int, default=5, help="measured training steps per setup (after one warm-up)")
+    p.add_argument('--device', default=None, help="cpu, cuda, cuda:1 (default: cuda if available, else cpu)")
+    p.add_argument('--compile', action='store_true', help="also try torch.compile in channels-last")
+    p.add_argument('--json', action='store_true', help="print the table as JSON")
+    return p
+
+PARSERS = {'demo': demo_parser, 'audit-models': audit_models_parser, 'bench': bench_parser}
 
 # %% ../nbs/90_cli.ipynb #43f5d461
 def main(argv=None):

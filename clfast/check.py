@@ -17,7 +17,7 @@ from .guard import CHECK_CACHE, _conv_params, guard_model
 # %% auto #0
 __all__ = ['conv_geometries', 'check_geometries', 'check_channelslast', 'main']
 
-# %% ../nbs/06_check.ipynb #bf5e9f93
+# %% ../nbs/06_check.ipynb #40c2d139
 def conv_geometries(model:nn.Module, *inputs) -> dict:
     "Each distinct geometry of `model`'s convs on `inputs`: {(conv params json, (h, w)): [qualified names]}"
     found, handles = {}, []
@@ -32,7 +32,12 @@ def conv_geometries(model:nn.Module, *inputs) -> dict:
     flags = [(m, m.training) for m in model.modules()]
     try:
         model.eval()   # no running statistics updated
-        with torch.no_grad(): model(*inputs)
+        with torch.no_grad():
+            try:   # shapes only: on the meta device (no arithmetic, so a cached check costs next to nothing)
+                meta = {k: torch.empty_like(v, device='meta') for k, v in [*model.named_parameters(), *model.named_buffers()]}
+                torch.func.functional_call(model, meta, tuple(x.to('meta') for x in inputs))
+            except Exception:   # a model that computes on values (or a meta-less op): a real forward
+                found.clear(); model(*inputs)
     finally:
         for h in handles: h.remove()
         for m, t in flags: m.training = t

@@ -180,7 +180,7 @@ def guard_report(model:nn.Module) -> list:
     "Where the guard acts in `model`: [(qualified conv name, workaround, why)]"
     return [(n, m.__dict__['_cl_guard'][0], m.__dict__['_cl_guard'][2]) for n,m in model.named_modules() if '_cl_guard' in m.__dict__]
 
-# %% ../nbs/05_guard.ipynb #daa9ba6f
+# %% ../nbs/05_guard.ipynb #42d65f7d
 CHECK_TOLERANCE = {'float32': 1e-4, 'bfloat16': 5e-2, 'float16': 1e-2}
 
 def _rel_err(a:Tensor|None, ref:Tensor|None) -> float:
@@ -189,25 +189,47 @@ def _rel_err(a:Tensor|None, ref:Tensor|None) -> float:
     if not torch.isfinite(a).all(): return float('inf')
     return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
 
+def _explicit_padding(conv:dict, x:Tensor):
+    "`x` padded as the module would (padding modes, asymmetric 'same'), and the padding left for the conv itself"
+    k, d, pad, mode = conv['k'], conv['dilation'], conv['padding'], conv['padding_mode']
+    if pad == 'valid': pad = [0, 0]
+    elif pad == 'same': pad = [(di*(ki-1)//2, di*(ki-1) - di*(ki-1)//2) for ki, di in zip(k, d)]
+    else: pad = [(p, p) for p in pad]
+    if mode == 'zeros' and all(a == b for a, b in pad): return x, [a for a, _ in pad]
+    flat = [pad[1][0], pad[1][1], pad[0][0], pad[0][1]]
+    return F.pad(x, flat, mode='constant' if mode == 'zeros' else mode), [0, 0]
+
+def _conv_fwd_bwd(x, w, b, conv, grad_of):
+    "Output and (dx, dweight, dbias) of the stock aten conv and its backward for the output gradient `grad_of(y)`"
+    xp, pad = _explicit_padding(conv, x.detach().requires_grad_())
+    xp = xp.detach()
+    args = (conv['stride'], pad, conv['dilation'], False, [0, 0], conv['groups'])
+    y = torch.ops.aten.convolution(xp, w, b, *args)
+    g = grad_of(y).to(y.dtype).contiguous(memory_format=torch.channels_last if y.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format)
+    dxp, dw, db = torch.ops.aten.convolution_backward(g, xp, w, None if b is None else [w.shape[0]], *args, [True, True, b is not None])
+    if xp.shape != x.shape:   # back through the explicit padding
+        xr = x.detach().double().requires_grad_()
+        xpr, _ = _explicit_padding(conv, xr)
+        dx, = torch.autograd.grad(xpr, xr, dxp.double())
+    else: dx = dxp
+    return y, dx, dw, db
+
 def conv_numerics(conv:dict, hw:list, precision:str='float32', n:int=2, seed:int=0) -> dict:
     "Relative errors of a stock conv (`_conv_params` dict) run channels-last at `precision` against fp64 contiguous"
-    torch.manual_seed(seed)
-    m = nn.Conv2d(conv['cin'], conv['cout'], tuple(conv['k']), tuple(conv['stride']),
-                  conv['padding'] if isinstance(conv['padding'], str) else tuple(conv['padding']),
-                  tuple(conv['dilation']), conv['groups'], conv['bias'], padding_mode=conv['padding_mode'])
-    x = torch.randn(n, conv['cin'], *hw)
-    m64, x64 = copy.deepcopy(m).double(), x.double().requires_grad_()
-    y64 = m64(x64)
-    dy = torch.randn_like(y64)
-    y64.backward(dy)
-    cl = torch.channels_last
-    m = m.to(memory_format=cl)
-    xc = x.to(memory_format=cl).requires_grad_()
-    dtype = getattr(torch, precision)
-    with torch.autocast('cpu', dtype=dtype, enabled=dtype != torch.float32): y = m(xc)
-    y.backward(dy.to(y.dtype).contiguous(memory_format=cl))
-    errs = dict(out=_rel_err(y, y64.detach()), dx=_rel_err(xc.grad, x64.grad), dweight=_rel_err(m.weight.grad, m64.weight.grad))
-    if m.bias is not None: errs['dbias'] = _rel_err(m.bias.grad, m64.bias.grad)
+    g = torch.Generator().manual_seed(seed)
+    cin, cout, groups = conv['cin'], conv['cout'], conv['groups']
+    x = torch.randn(n, cin, *hw, generator=g)
+    w = torch.randn(cout, cin // groups, *conv['k'], generator=g) / (cin // groups * conv['k'][0] * conv['k'][1]) ** 0.5
+    b = torch.randn(cout, generator=g) if conv['bias'] else None
+    dys = []
+    def new_grad(y): dys.append(torch.randn(y.shape, generator=g, dtype=torch.float64)); return dys[0]
+    y64, dx64, dw64, db64 = _conv_fwd_bwd(x.double(), w.double(), None if b is None else b.double(), conv, new_grad)
+    # as training runs it: channels-last input and weight, autocast's dtype for both (the weight gradient back in fp32)
+    dtype, cl = getattr(torch, precision), torch.channels_last
+    cast = lambda t: None if t is None else t.to(dtype).contiguous(memory_format=cl) if t.dim() == 4 else t.to(dtype)
+    y, dx, dw, db = _conv_fwd_bwd(cast(x), cast(w), cast(b), conv, lambda y: dys[0])
+    errs = dict(out=_rel_err(y, y64), dx=_rel_err(dx, dx64), dweight=_rel_err(dw, dw64))
+    if b is not None: errs['dbias'] = _rel_err(db, db64)
     worst = max(errs, key=errs.get)
     ok = errs[worst] <= CHECK_TOLERANCE[precision]
     return dict(status='ok' if ok else 'wrong', error=errs[worst], worst=worst)

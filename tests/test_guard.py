@@ -87,10 +87,11 @@ def test_workarounds_equal_fp64(c):
     m = m.to(memory_format=fmt); guard_model(m)
     m.__class__, m.__dict__['_cl_guard'] = GuardedConv2d, (c['how'], True, 'test')   # whatever this CPU is
     x = torch.randn(c['n'], c['cin'], *c['hw'])
-    x32, x64 = x.to(memory_format=fmt).requires_grad_(), x.double().requires_grad_()
+    x64, x32 = x.double().requires_grad_(), x.to(memory_format=fmt).requires_grad_()
     y, y64 = m(x32), m64(x64)
-    assert y.shape == y64.shape
-    if c['cl'] and y.numel() > y.shape[1] * y.shape[0]: assert y.is_contiguous(memory_format=torch.channels_last)
+    with torch.no_grad(): y_stock = nn.Conv2d._conv_forward(m, x32, m.weight, m.bias)   # no gradient: a right kernel
+    assert y.shape == y64.shape   # and the guard keeps the stock output layout (strides of size-1 dims mean nothing)
+    assert [st for st, n in zip(y.stride(), y.shape) if n > 1] == [st for st, n in zip(y_stock.stride(), y.shape) if n > 1]
     dy = torch.randn(y64.shape, dtype=torch.float64)
     y.backward(dy.float()); y64.backward(dy)
     tol = dict(rtol=1e-4, atol=1e-5)

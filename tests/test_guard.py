@@ -4,7 +4,7 @@ from unittest import mock
 import pytest, torch
 from torch import nn
 from hypothesis import given, settings, example, strategies as st
-from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam, load_learner
+from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam
 import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import guard, check
 from clfast.guard import (KNOWN_BAD_KERNELS, GuardedConv2d, guard_conv_call, guard_model, unguard_model, guard_report,
@@ -12,7 +12,7 @@ from clfast.guard import (KNOWN_BAD_KERNELS, GuardedConv2d, guard_conv_call, gua
 from clfast.fuse import fusion_report, unfuse_conv_bn
 from clfast.fused import FusedConvBN2d
 from clfast.audit import audit
-from tests.helpers import image_dls
+from helpers import image_dls
 
 X86 = onednn_isa() is not None
 needs_avx2 = pytest.mark.skipif(not X86 or 'avx2' not in open('/proc/cpuinfo').read() if os.path.exists('/proc/cpuinfo') else True,
@@ -131,20 +131,18 @@ def test_learner_gradients_equal_fp64(fuse, cin):
         torch.testing.assert_close(p.grad.double(), p64.grad, rtol=1e-3, atol=1e-5, msg=lambda m: f"{n}: {m}")
 
 def test_guard_survives_fit_export_and_undo(tmp_path):
-    "A guarded learner fits; export/load_learner give stock modules; to_contiguous and unfuse_conv_bn remove the guard"
+    "A guarded learner fits; pickled (as export does) it is all stock modules; to_contiguous and unfuse_conv_bn remove the guard"
     learn = thin_stem_learner(3)
     learn.to_channelslast(use_amp=False, fuse='speed')
     learn.fit(1)
     if _affected_here():
         assert 'guarded 0.0: subsample' in repr(fusion_report(learn.model))
-        xb, _ = learn.dls.one_batch()
-        assert '0.0' in str(audit(learn.model, xb.as_subclass(torch.Tensor).to(memory_format=torch.channels_last)))
-    learn.export(tmp_path/'m.pkl')
-    loaded = load_learner(tmp_path/'m.pkl')
-    assert all(type(m) in (nn.Conv2d, nn.BatchNorm2d) for m in loaded.model.modules() if isinstance(m, (nn.Conv2d, nn.BatchNorm2d)))
-    assert not any('_cl_guard' in m.__dict__ for m in loaded.model.modules())
-    pickled = pickle.loads(pickle.dumps(learn.model))
-    assert not any('_cl_guard' in m.__dict__ for m in pickled.modules())
+        xb = torch.randn(4, 3, 16, 16).to(memory_format=torch.channels_last)
+        assert 'guarded 0.0: subsample' in str(audit(learn.model, xb))
+    torch.save(learn.model, tmp_path/'m.pt')   # what export pickles (export itself: tests/test_integration.py)
+    loaded = torch.load(tmp_path/'m.pt', weights_only=False)
+    assert not [type(m) for m in loaded.modules() if type(m).__module__.startswith('clfast')]
+    assert not any('_cl_guard' in m.__dict__ for m in loaded.modules())
     learn.to_channelslast(use_amp=False)          # unfused, guarded as a GuardedConv2d
     if _affected_here(): assert type(learn.model[0][0]) is GuardedConv2d
     learn.to_contiguous()
@@ -154,7 +152,7 @@ def test_guard_survives_fit_export_and_undo(tmp_path):
 
 def test_no_cost_where_no_conv_is_affected():
     "A model without affected convs is left exactly as it was: no class swapped, nothing stored"
-    from tests.helpers import conv_net
+    from helpers import conv_net
     net = conv_net(3)
     before = [(type(m), dict(m.__dict__)) for m in net.modules()]
     assert guard_model(net) == []
@@ -179,24 +177,24 @@ def test_check_finds_the_avx2_bug_and_guards_it(cache_dir, monkeypatch):
     if not X86: pytest.skip("needs x86")
     monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX2')
     monkeypatch.setattr(guard, 'KNOWN_BAD_KERNELS', ())   # as if the table did not know this bug
-    learn = thin_stem_learner(2)
+    learn = thin_stem_learner(2, size=8)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
-        table = learn.check_channelslast()
+        table = learn.check_channelslast(timeout=30)
     assert len(table) == 2
     stem = table[table.layers == '0.0'].iloc[0]
     other = table[table.layers == '1.0'].iloc[0]
     assert other.status == 'ok' and other.error < 1e-4
     if 'avx2' in open('/proc/cpuinfo').read():
-        assert stem.status in ('wrong', 'crashed'), stem
+        assert stem.status in ('wrong', 'crashed', 'timeout'), stem   # the broken kernel may also hang
         msgs = [str(x.message) for x in w if 'check_channelslast' in str(x.message)]
         assert len(msgs) == 1 and '0.0' in msgs[0]
         assert guard_report(learn.model)[0][0] == '0.0' and type(learn.model[0][0]) is GuardedConv2d
         # cached: the second check runs no child process, and a fresh model is guarded from the cache
         with mock.patch.object(check.subprocess, 'Popen', side_effect=AssertionError("no child expected")):
-            again = learn.check_channelslast()
+            again = learn.check_channelslast(timeout=30)
         assert again.cached.all() and list(again.status) == list(table.status)
-        fresh = thin_stem_learner(2).model
+        fresh = thin_stem_learner(2, size=8).model
         assert [n for n, *_ in guard_model(fresh)] == ['0.0']
 
 def test_check_no_conv(cache_dir):

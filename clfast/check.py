@@ -104,7 +104,18 @@ def check_geometries(geoms:dict, precision:str='float32', timeout:float=60, star
                          error=r.get('error', float('nan')), worst=r.get('worst', ''), cached=k not in fresh))
     return pd.DataFrame(rows, columns=_COLS)
 
-# %% ../nbs/06_check.ipynb #9601a1d4
+# %% ../nbs/06_check.ipynb #a9ced688
+def _cached_geometries(model:nn.Module, *inputs) -> dict:
+    "`conv_geometries`, remembered per machine for the model's structure (its repr) and input shapes: a cached check runs no forward"
+    import hashlib
+    key = 'geometries ' + hashlib.sha1(f"{model!r}|{[tuple(x.shape) for x in inputs]}".encode()).hexdigest()
+    cache = MachineCache(CHECK_CACHE)
+    known = cache.get(key)
+    if known is not None: return {(c, tuple(hw)): names for c, hw, names in known}
+    geoms = conv_geometries(model, *inputs)
+    cache.update({key: [[c, list(hw), names] for (c, hw), names in geoms.items()]})
+    return geoms
+
 def _precision(dtype) -> str:
     name = str(dtype).replace('torch.', '')
     if name not in ('float32', 'bfloat16', 'float16'): raise ValueError(f"precision must be float32, bfloat16 or float16, got {dtype!r}")
@@ -118,7 +129,7 @@ def check_channelslast(model:nn.Module, *inputs, precision='float32', n:int=2, t
         warnings.warn("check_channelslast: the model has no nn.Conv2d, so there is nothing to check (channels-last "
                       "changes nothing for it).", ClfastWarning, stacklevel=2)
         return pd.DataFrame(columns=_COLS)
-    table = check_geometries(conv_geometries(model, *[x[:n] for x in inputs]), precision, timeout)
+    table = check_geometries(_cached_geometries(model, *[x[:n] for x in inputs]), precision, timeout)
     bad = table[table.status != 'ok']
     if len(bad):
         names = ', '.join(bad.layers)

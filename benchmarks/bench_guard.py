@@ -87,7 +87,7 @@ def bench_check(size):
         m = timm.create_model('resnet50'); x = torch.randn(2, 3, {size}, {size})
         for what in ('first', 'cached'):
             t = time.perf_counter(); table = check_channelslast(m, x); dt = time.perf_counter() - t
-            print(f"  check_channelslast, {{what}}: {{dt:.2f}} s ({{len(table)}} geometries, {{(table.status != 'ok').sum()}} failing)")
+            print(f"  check_channelslast, {{what}}: {{dt:.3f}} s ({{len(table)}} geometries, {{(table.status != 'ok').sum()}} failing)")
     ''')
     print(f"\ncheck_channelslast on timm resnet50 at {size} px, {torch.get_num_threads()} threads:")
     with tempfile.TemporaryDirectory() as d:

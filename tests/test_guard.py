@@ -218,3 +218,20 @@ for key, conv, hw, precision in cases:
         table = check.check_channelslast(net, torch.randn(2, 3, 8, 8), timeout=3)
     assert list(table.status) == ['ok', status, 'ok']
     assert [n for n, *_ in guard_report(net)] == ['1'] and net[1].__dict__['_cl_guard'][0] == 'contiguous'
+
+@pytest.mark.parametrize('fuse', [False, 'speed', 'memory'])
+def test_guard_under_autocast(fuse):
+    "Under CPU autocast (bf16) a guarded stem takes the subsample path too; weight gradients within bf16 rounding of fp64"
+    learn = thin_stem_learner(3)
+    ref = copy.deepcopy(learn.model).double()
+    learn.to_channelslast(use_amp=False, fuse=fuse)
+    stem = learn.model[0][0]
+    stem.__dict__['_cl_guard'] = ('subsample', True, 'test')   # whatever this CPU is
+    if type(stem) is nn.Conv2d: stem.__class__ = GuardedConv2d
+    x = torch.randn(4, 3, 16, 16)
+    learn.model.train(); ref.train()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = learn.model(x.to(memory_format=torch.channels_last))
+    out.float().sum().backward()
+    ref(x.double()).sum().backward()
+    torch.testing.assert_close(stem.weight.grad.double(), ref[0][0].weight.grad, rtol=5e-2, atol=5e-2)

@@ -75,7 +75,7 @@ def bad_kernels_for(conv:nn.Module, isa:str|None=None, version:str=torch.__versi
     isa = onednn_isa() if isa is None else isa
     return [b for b in KNOWN_BAD_KERNELS if b.affects(conv, isa, version)]
 
-# %% ../nbs/05_guard.ipynb #d46b7b94
+# %% ../nbs/05_guard.ipynb #6161d4da
 def _channels_last(t:Tensor) -> bool:
     return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
 
@@ -91,10 +91,10 @@ def guard_conv_call(run, x:Tensor, weight:Tensor, stride:tuple, plan, residual:T
         # laid out as `x` (the copy the conv would make of a strided view anyway), so the conv picks the stock layout
         sub = x[:, :, ::stride[0], ::stride[1]].contiguous(memory_format=suggest_memory_format(x))
         return run(sub, weight, (1, 1), residual)
-    # 'contiguous': this conv alone in nchw (a 1x1 weight keeps channels-last strides through .contiguous(): clone it)
+    # 'contiguous': this conv alone in nchw (x and a 1x1 weight can keep channels-last strides through .contiguous())
     cl = torch.channels_last in (suggest_memory_format(x), suggest_memory_format(weight))   # as the stock conv decides
-    out = run(x.contiguous(), weight.clone(memory_format=torch.contiguous_format), stride,
-              None if residual is None else residual.contiguous())
+    nchw = lambda t: t.clone(memory_format=torch.contiguous_format)   # fresh strides: a C=1 tensor is "contiguous" either way
+    out = run(nchw(x), nchw(weight), stride, None if residual is None else nchw(residual))
     return out.contiguous(memory_format=torch.channels_last) if cl else out
 
 # %% ../nbs/05_guard.ipynb #ba7caf56

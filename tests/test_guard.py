@@ -76,6 +76,8 @@ conv_cases = st.fixed_dictionaries(dict(
 @settings(deadline=None)
 @given(c=conv_cases)
 @example(c=dict(n=2, cin=3, cout=1, hw=(8, 8), stride=(2, 2), groups=1, bias=False, cl=True, how='subsample'))
+@example(c=dict(n=1, cin=1, cout=4, hw=(5, 7), stride=(2, 2), groups=1, bias=False, cl=True, how='subsample'))
+@example(c=dict(n=2, cin=1, cout=1, hw=(8, 8), stride=(2, 2), groups=1, bias=False, cl=True, how='contiguous'))
 def test_workarounds_equal_fp64(c):
     "Both workarounds give the conv's output and gradients within fp32 rounding of fp64 (any layout, ambiguous ones too)"
     torch.manual_seed(0)

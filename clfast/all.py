@@ -1,4 +1,4 @@
-"`from clfast.all import *`: the whole public API, and `Learner` patched with `to_channelslast`, `to_contiguous` and `audit_channelslast`."
+"`from clfast.all import *`: the whole public API, and `Learner` patched with `to_channelslast`, `to_contiguous`, `audit_channelslast` and `check_channelslast`."
 # Hand-written, as fastai's own `all.py` modules: re-exports only, nothing to document in a notebook.
 from .core import *
 from .amp import *
@@ -6,4 +6,6 @@ from .callback import *
 from .audit import *
 from .fused import *
 from .fuse import *
+from .guard import *
+from .check import conv_geometries, check_geometries, check_channelslast
 from .ops import bn_stats, bn_act_fwd, bn_act_bwd

@@ -5,7 +5,7 @@ from clfast.core import *
 
 shapes4 = st.tuples(*[st.integers(1, 5)] * 4)
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(shape=shapes4, channels_last_input=st.booleans())
 def test_to_channels_last_properties(shape, channels_last_input):
     x = torch.randn(shape)

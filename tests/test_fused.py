@@ -1,10 +1,11 @@
-"FusedConvBN2d against the stock Conv2d -> BatchNorm2d (-> + residual) (-> ReLU): outputs, gradients, running stats"
+"FusedConvBN2d against the stock Conv2d -> BatchNorm2d (-> + residual) (-> ReLU) in fp64 (the oracle): outputs, gradients, running stats"
 import contextlib, copy, io, pickle
 from unittest import mock
 import pytest, torch
 from torch import nn
-from hypothesis import given, settings, strategies as st, HealthCheck
+from hypothesis import given, settings, example, strategies as st, HealthCheck
 from clfast.fused import FusedConvBN2d, conv_bn_act
+from clfast.guard import guard_model
 from clfast import cpu_kernels
 
 PATHS = ['cpp', 'generic']
@@ -44,14 +45,17 @@ def close(a, b, rtol=1e-4, atol=1e-5, what=''):
     torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 def compare(f, conv, bn, x, residual, relu, tol=(1e-4, 1e-5), gtol=(1e-3, 1e-4)):
-    "Forward + backward of fused and stock on clones of the inputs; everything must match"
-    xs = [x.detach().clone().requires_grad_() for _ in range(2)]
-    rs = [None if residual is None else residual.detach().clone().requires_grad_() for _ in range(2)]
+    "Forward + backward of the fused layer and of the stock modules in fp64 contiguous (the oracle, converted in place); within fp32 rounding"
+    conv.double(); bn.double()
+    xs = [x.detach().clone().requires_grad_(), x.detach().double().contiguous().requires_grad_()]
+    rs = [None if residual is None else r for r in
+          (residual.detach().clone().requires_grad_(), residual.detach().double().contiguous().requires_grad_())] \
+         if residual is not None else [None, None]
     dy_scale = []
     of = f(xs[0], rs[0]); os_ = stock(conv, bn, xs[1], rs[1], relu, dy_scale)
     close(of, os_, *tol, what='output')
-    g = torch.randn_like(os_)
-    of.backward(g); os_.backward(g)
+    g = torch.randn_like(of)
+    of.backward(g); os_.backward(g.double())
     close(xs[0].grad, xs[1].grad, *gtol, what='dx')
     close(f.weight.grad, conv.weight.grad, *gtol, what='dweight')
     if conv.bias is not None:  # with batch statistics this is a sum that cancels to ~0: compare to its scale
@@ -64,6 +68,11 @@ def compare(f, conv, bn, x, residual, relu, tol=(1e-4, 1e-5), gtol=(1e-3, 1e-4))
         close(f.bn.running_mean, bn.running_mean, 1e-5, 1e-6, what='running_mean')
         close(f.bn.running_var, bn.running_var, 1e-5, 1e-6, what='running_var')
         assert f.bn.num_batches_tracked == bn.num_batches_tracked
+
+def _guarded(f):
+    "The fused layer as clfast runs it: guarded against known-bad stock kernels on this CPU"
+    guard_model(f)
+    return f
 
 @pytest.mark.parametrize('mode', ['speed', 'memory'])
 @pytest.mark.parametrize('train', [True, False])
@@ -94,6 +103,7 @@ def _build(s, device='cpu'):
     pad = s['dilation'] * (s['k'] - 1) // 2
     f, conv, bn = pair(cin, cout, s['k'], s['stride'], pad, s['dilation'], groups, s['bias'], s['relu'], s['mode'],
                        s['momentum'], s['affine'], s['track'], device=device)
+    _guarded(f)
     for m in (f, conv, bn): m.train(s['train'])
     x = torch.randn(s['n'], cin, s['hw'], s['hw'], device=device)
     if s['cl']: x = x.to(memory_format=torch.channels_last)
@@ -113,15 +123,22 @@ def _check_case(s, device='cpu'):
         return
     compare(f, conv, bn, x, r, s['relu'])
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(shapes)
+# found on an AMD EPYC with AVX2 only: oneDNN's 1x1 stride-2 backward-weights kernel on an nhwc input with IC < 8
+# (oneDNN issue 6035) gave dweight 10.35 for -1.88 in the stock fp32 oracle; the guarded layer equals fp64
+AVX2_1X1_S2 = dict(n=2, hw=8, cin=3, cout=1, k=1, stride=2, dilation=1, grouping='none', bias=False, cl=True,
+                   relu=True, res=False, mode='speed', momentum=0.1, affine=True, track=False, train=False)
+
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(s=shapes)
+@example(s=AVX2_1X1_S2)
+@example(s={**AVX2_1X1_S2, 'cin': 1, 'cout': 17, 'train': True, 'track': True, 'res': True, 'mode': 'memory'})
 @pytest.mark.parametrize('path', PATHS)
 def test_matches_stock(path, s):
     with cpu_path(path): _check_case(s)
 
 @pytest.mark.cuda
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(shapes)
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(s=shapes)
 def test_matches_stock_cuda(s): _check_case(s, 'cuda')
 
 @pytest.mark.parametrize('mode', ['speed', 'memory'])

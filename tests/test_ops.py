@@ -79,7 +79,7 @@ def check(shape, dt, cl, affine, res, relu, training, device='cpu', seed=0):
 shapes = st.tuples(st.sampled_from([1, 2, 3]), st.sampled_from([1, 3, 17, 64]), st.sampled_from([1, 3, 5]),
                    st.sampled_from([1, 2, 7]))
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
 @given(shape=shapes, dt=st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]),
        cl=st.booleans(), affine=st.booleans(), res=st.booleans(), relu=st.booleans(), training=st.booleans(),
        seed=st.integers(0, 2**16))

@@ -1,0 +1,108 @@
+"""What the guard against known-bad stock kernels costs, measured side by side in one run (ratios, medians of rounds).
+
+1. An affected stem (3 -> 64, 1x1, stride 2, channels-last, forward + backward): the two workarounds against each
+   other, and against the unguarded stock conv, which runs in a child process (it may crash, or give wrong gradients:
+   oneDNN issue 6035).
+2. timm resnet50 training steps (no affected conv): `to_channelslast`'s guard pass changes nothing, so the step is the
+   stock one; timed with and without `guard_model` run on the model, alternating.
+3. `check_channelslast` on resnet50 at 224 px: first time (fresh cache directory) and cached.
+
+    python benchmarks/bench_guard.py [--rounds 7] [--bs 16] [--size 224] [--skip-resnet]
+"""
+import argparse, os, statistics, subprocess, sys, tempfile, textwrap, time
+import torch, torch.nn.functional as F
+from torch import nn
+
+def stem_step(how, x0, w):
+    "One forward + backward of the affected stem, guarded with `how` ('subsample', 'contiguous') or stock (None)"
+    from clfast.guard import guard_conv_call
+    x = x0.detach().requires_grad_()
+    run = lambda x, w, stride, res: F.conv2d(x, w, None, stride)
+    y = guard_conv_call(run, x, w, (2, 2), None if how is None else (how, True, 'bench'))
+    y.backward(torch.ones_like(y))
+    w.grad = None
+
+def interleaved(fns:dict, rounds:int, warmup:int=2) -> dict:
+    "Median seconds of each function, run in alternating order every round"
+    for f in fns.values():
+        for _ in range(warmup): f()
+    times = {k: [] for k in fns}
+    for r in range(rounds):
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            t = time.perf_counter(); fns[k](); times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+STOCK_CHILD = '''
+import sys, time, statistics, torch, torch.nn.functional as F
+bs, size, rounds = map(int, sys.argv[1:4])
+torch.manual_seed(0)
+x0 = torch.randn(bs, 3, size, size).to(memory_format=torch.channels_last)
+w = torch.randn(64, 3, 1, 1).to(memory_format=torch.channels_last).requires_grad_()
+ts = []
+for i in range(rounds + 2):
+    x = x0.detach().requires_grad_()
+    t = time.perf_counter(); y = F.conv2d(x, w, None, 2); y.backward(torch.ones_like(y)); w.grad = None
+    print('STEP', time.perf_counter() - t, flush=True)   # each step as it ends: the kernel may crash the process
+'''
+
+def bench_stem(bs, size, rounds):
+    torch.manual_seed(0)
+    x0 = torch.randn(bs, 3, size, size).to(memory_format=torch.channels_last)
+    w = torch.randn(64, 3, 1, 1).to(memory_format=torch.channels_last).requires_grad_()
+    med = interleaved({how: (lambda how=how: stem_step(how, x0, w)) for how in ('subsample', 'contiguous')}, rounds)
+    print(f"affected stem 3->64 1x1 s2, {bs}x3x{size}x{size} channels-last, fwd+bwd, {torch.get_num_threads()} threads:")
+    for k, v in med.items(): print(f"  guarded, {k:<10} {v*1e3:8.1f} ms")
+    print(f"  contiguous / subsample: {med['contiguous'] / med['subsample']:.2f}x")
+    try:
+        r = subprocess.run([sys.executable, '-c', STOCK_CHILD, str(bs), str(size), str(rounds)], capture_output=True,
+                           text=True, timeout=300)
+        done = [float(l.split()[1]) for l in r.stdout.splitlines() if l.startswith('STEP')]
+        steps = done[2:] or done[1:] or done   # after warm-up steps, when it lived that long
+        fate = 'ran all steps' if r.returncode == 0 else f"died with exit {r.returncode} after {len(done)} completed steps"
+        if steps:
+            stock = statistics.median(steps)
+            print(f"  unguarded stock (child process, wrong weight gradients; {fate}): {stock*1e3:8.1f} ms; "
+                  f"stock / subsample: {stock / med['subsample']:.2f}x")
+        else: print(f"  unguarded stock (child process): {fate}, no timed step")
+    except subprocess.TimeoutExpired: print("  unguarded stock (child process): hung for 300 s")
+
+def bench_resnet50(bs, size, rounds):
+    import timm, copy
+    from clfast.guard import guard_model
+    torch.manual_seed(0)
+    model = timm.create_model('resnet50').to(memory_format=torch.channels_last)
+    guarded = copy.deepcopy(model)
+    print(f"\ntimm resnet50 training step, {bs}x3x{size}x{size} channels-last fp32: guard_model guarded {guard_model(guarded)}")
+    x = torch.randn(bs, 3, size, size).to(memory_format=torch.channels_last)
+    opt = {id(m): torch.optim.SGD(m.parameters(), 1e-3) for m in (model, guarded)}
+    def step(m):
+        opt[id(m)].zero_grad(); m(x).float().sum().backward(); opt[id(m)].step()
+    med = interleaved({'stock': lambda: step(model), 'guarded': lambda: step(guarded)}, rounds, warmup=1)
+    print(f"  stock {med['stock']*1e3:.0f} ms, after guard_model {med['guarded']*1e3:.0f} ms: ratio {med['guarded'] / med['stock']:.3f}")
+
+def bench_check(size):
+    code = textwrap.dedent(f'''
+        import time, torch, timm
+        from clfast.check import check_channelslast
+        m = timm.create_model('resnet50'); x = torch.randn(2, 3, {size}, {size})
+        for what in ('first', 'cached'):
+            t = time.perf_counter(); table = check_channelslast(m, x); dt = time.perf_counter() - t
+            print(f"  check_channelslast, {{what}}: {{dt:.3f}} s ({{len(table)}} geometries, {{(table.status != 'ok').sum()}} failing)")
+    ''')
+    print(f"\ncheck_channelslast on timm resnet50 at {size} px, {torch.get_num_threads()} threads:")
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'CLFAST_CACHE_DIR': d})
+    print(r.stdout.rstrip() or r.stderr[-2000:])
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--rounds', type=int, default=7); p.add_argument('--bs', type=int, default=16)
+    p.add_argument('--size', type=int, default=224); p.add_argument('--skip-resnet', action='store_true')
+    a = p.parse_args()
+    from clfast.guard import onednn_isa
+    from clfast.machine import machine_key
+    print(f"{machine_key()} | oneDNN ISA {onednn_isa()}\n")
+    bench_stem(a.bs, a.size, a.rounds)
+    if not a.skip_resnet:
+        bench_resnet50(8, a.size, max(3, a.rounds // 2))
+        bench_check(a.size)

@@ -85,7 +85,7 @@ def bench_parser() -> argparse.ArgumentParser:
 
 PARSERS = {'demo': demo_parser, 'audit-models': audit_models_parser, 'bench': bench_parser}
 
-# %% ../nbs/90_cli.ipynb #04c1ffbc
+# %% ../nbs/90_cli.ipynb #889bead7
 def main(argv=None):
     "Entry point of the `clfast` console script"
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -93,4 +93,5 @@ def main(argv=None):
     if argv[0] not in COMMANDS:
         print(f"clfast: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr); return 2
     if argv[0] in PARSERS: PARSERS[argv[0]]().parse_args(argv[1:])   # --help and bad options exit here, fast
-    return importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:]) or 0   # `clfast check` exits 1 on a failing conv
+    rc = importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    return rc if isinstance(rc, int) else 0   # an exit status (`clfast check`: 1 on a failing conv), not `demo`'s results

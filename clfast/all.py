@@ -1,4 +1,4 @@
-"`from clfast.all import *`: the whole public API, and `Learner` patched with `to_channelslast`, `to_contiguous`, `audit_channelslast` and `check_channelslast`."
+"`from clfast.all import *`: the whole public API, and `Learner` patched with `to_channelslast`, `to_contiguous`, `to_fp16`/`to_bf16`/`to_fp32`, `audit_channelslast`, `check_channelslast` and `format_find`."
 # Hand-written, as fastai's own `all.py` modules: re-exports only, nothing to document in a notebook.
 from .core import *
 from .amp import *
@@ -8,4 +8,5 @@ from .fused import *
 from .fuse import *
 from .guard import *
 from .check import conv_geometries, check_geometries, check_channelslast
+from .finder import Setup, measure_setups, best_setup, bench_model, plot_setups
 from .ops import bn_stats, bn_act_fwd, bn_act_bwd

@@ -108,3 +108,13 @@ def test_bench_model_table():
     df = bench_model('resnet18', bs=4, size=64, steps=1, progress=False, setups=[BASELINE, Setup()])
     assert list(df.index) == ['contiguous fp32', 'channels-last fp32'] and (df.error == '').all()
     assert df.loc['channels-last fp32', 'grad_drift'] < 1e-3
+
+def test_compiled_setup_is_measured_or_a_failed_row():
+    "torch.compile as a setup: it trains with the baseline's gradients, or (inductor fails on some batches here) its row
+    says why while the other setups are still measured; compiled memory is not counted (saved-tensor hooks and compile)"
+    learn = learner()
+    df = learn.format_find(setups=[BASELINE, Setup(), Setup(compile=True)], n_batches=2, show_plot=False)
+    row = df.loc['channels-last fp32 compiled']
+    assert df.loc['channels-last fp32', 'steps'] == 2 and df.loc['channels-last fp32', 'error'] == ''
+    if row.error: assert row.steps == 0 and math.isnan(row.speedup) and 'Error' in row.error
+    else: assert row.steps == 2 and row.grad_drift < 1e-3 and math.isnan(row.memory_mib)

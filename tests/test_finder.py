@@ -110,8 +110,8 @@ def test_bench_model_table():
     assert df.loc['channels-last fp32', 'grad_drift'] < 1e-3
 
 def test_compiled_setup_is_measured_or_a_failed_row():
-    "torch.compile as a setup: it trains with the baseline's gradients, or (inductor fails on some batches here) its row
-    says why while the other setups are still measured; compiled memory is not counted (saved-tensor hooks and compile)"
+    """torch.compile as a setup: it trains with the baseline's gradients, or (inductor fails on some batches here) its row
+    says why while the other setups are still measured; compiled memory is not counted (saved-tensor hooks and compile)"""
     learn = learner()
     df = learn.format_find(setups=[BASELINE, Setup(), Setup(compile=True)], n_batches=2, show_plot=False)
     row = df.loc['channels-last fp32 compiled']

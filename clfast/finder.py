@@ -130,10 +130,13 @@ def _learner_batches(learn, n:int) -> list:
         if len(res) == n: break
     return res
 
-# %% ../nbs/30_finder.ipynb #d2544b59
+# %% ../nbs/30_finder.ipynb #819ce402
 def _grad_drift(grads:dict, base:dict) -> float:
-    "Largest relative L2 difference of a parameter's gradient from the baseline's (the same weights and batch)"
-    res = [((g - base[n]).norm() / base[n].norm()).item() for n,g in grads.items() if n in base and base[n].norm() > 0]
+    "Largest relative L2 difference of a parameter's gradient from the baseline's (the same weights, batch and dropout)"
+    if not base: return math.nan
+    # a parameter whose gradient is negligible next to the largest one (a bias before a BN) only measures rounding noise
+    floor = 1e-3 * max(g.norm() for g in base.values())
+    res = [((g - base[n]).norm() / (base[n].norm() + floor)).item() for n,g in grads.items() if n in base]
     return max(res, default=math.nan)
 
 def _drift(losses, base) -> float:

@@ -44,7 +44,7 @@ def _fuse(model:nn.Module, mode:str):
         warnings.warn(f"fuse={mode!r} fused nothing in this model{why}; `fusion_report(learn.model)` lists every reason.",
                       ClfastWarning, stacklevel=3)
 
-# %% ../nbs/02_callback.ipynb #b0846c51
+# %% ../nbs/02_callback.ipynb #380dcb64
 _OWN_EVENTS = ('before_fit', 'before_validate', 'before_batch')
 
 class ChannelsLast(Callback):
@@ -59,7 +59,8 @@ class ChannelsLast(Callback):
         self.fuse = fuse_mode(fuse)
 
     def _user(self, event:str):
-        if event in self.user_events: self.user_events[event](self)
+        events = self.__dict__.get('user_events', {})   # a callback pickled by an older clfast has none
+        if event in events: events[event](self)
 
     def before_fit(self):
         if not has_conv(self.model):

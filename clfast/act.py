@@ -11,31 +11,38 @@ import torch, torch.nn.functional as F
 from torch import nn, Tensor
 
 # %% auto #0
-__all__ = ['ACTS', 'Act', 'act_of', 'act_module', 'get_act']
+__all__ = ['A', 'ACTS', 'Act', 'act_of', 'act_module', 'get_act']
 
-# %% ../nbs/19_act.ipynb #87775458
+# %% ../nbs/19_act.ipynb #0eb8ac0c
 @dataclass(frozen=True)
 class Act:
-    "One fusable activation: `code` for the kernels, `fn(z, param)` the reference, `grad_from_out(param)` as above"
+    "One fusable activation: `code` for the kernels, `fn(z, p)` and `grad(dout, z, p)` the reference (stock ops)"
     name: str
     code: int
     fn: Callable[[Tensor, float], Tensor]
+    grad: Callable[[Tensor, Tensor, float], Tensor]
     grad_from_out: Callable[[float], bool] = lambda p: False
     module: Callable[[float], nn.Module] = nn.Identity   # the stock module that computes it (for unfusing)
 
     def __call__(self, z:Tensor, param:float=0.) -> Tensor: return self.fn(z, param)
 
-# %% ../nbs/19_act.ipynb #30e08d64
+# %% ../nbs/19_act.ipynb #06abe75a
+A = torch.ops.aten
 ACTS = {a.name: a for a in [
-    Act('none', 0, lambda z,p: z, lambda p: True, lambda p: nn.Identity()),
-    Act('relu', 1, lambda z,p: F.relu(z), lambda p: True, lambda p: nn.ReLU(inplace=True)),
-    Act('relu6', 2, lambda z,p: F.relu6(z), lambda p: True, lambda p: nn.ReLU6(inplace=True)),
+    Act('none', 0, lambda z,p: z, lambda g,z,p: g, lambda p: True, lambda p: nn.Identity()),
+    Act('relu', 1, lambda z,p: F.relu(z), lambda g,z,p: A.threshold_backward(g, z, 0), lambda p: True,
+        lambda p: nn.ReLU(inplace=True)),
+    Act('relu6', 2, lambda z,p: F.relu6(z), lambda g,z,p: A.hardtanh_backward(g, z, 0., 6.), lambda p: True,
+        lambda p: nn.ReLU6(inplace=True)),
     # out > 0 exactly where z > 0 for a slope >= 0; a negative slope makes the sign of out ambiguous
-    Act('leaky_relu', 3, lambda z,p: F.leaky_relu(z, p), lambda p: p >= 0, lambda p: nn.LeakyReLU(p, inplace=True)),
-    Act('silu', 4, lambda z,p: F.silu(z), module=lambda p: nn.SiLU(inplace=True)),
-    Act('hardswish', 5, lambda z,p: F.hardswish(z), module=lambda p: nn.Hardswish(inplace=True)),
-    Act('gelu', 6, lambda z,p: F.gelu(z), module=lambda p: nn.GELU()),
-    Act('gelu_tanh', 7, lambda z,p: F.gelu(z, approximate='tanh'), module=lambda p: nn.GELU(approximate='tanh')),
+    Act('leaky_relu', 3, lambda z,p: F.leaky_relu(z, p), lambda g,z,p: A.leaky_relu_backward(g, z, p, False),
+        lambda p: p >= 0, lambda p: nn.LeakyReLU(p, inplace=True)),
+    Act('silu', 4, lambda z,p: F.silu(z), lambda g,z,p: A.silu_backward(g, z), module=lambda p: nn.SiLU(inplace=True)),
+    Act('hardswish', 5, lambda z,p: F.hardswish(z), lambda g,z,p: A.hardswish_backward(g, z),
+        module=lambda p: nn.Hardswish(inplace=True)),
+    Act('gelu', 6, lambda z,p: F.gelu(z), lambda g,z,p: A.gelu_backward(g, z), module=lambda p: nn.GELU()),
+    Act('gelu_tanh', 7, lambda z,p: F.gelu(z, approximate='tanh'), lambda g,z,p: A.gelu_backward(g, z, approximate='tanh'),
+        module=lambda p: nn.GELU(approximate='tanh')),
 ]}
 
 # %% ../nbs/19_act.ipynb #d0f907ee

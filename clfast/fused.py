@@ -90,11 +90,11 @@ class _FusedMixin:
         for k in self._fused_attrs: self.__dict__.pop(k, None)
         self.__class__ = self._stock_class
 
-# %% ../nbs/23_fused.ipynb #2c0e0d75
-def _act_spec(act, act_param, relu):
-    "`(name, param)` from `act` (name, module, None) and the older `relu=True` spelling"
-    if relu and act not in (None, 'relu'): raise ValueError(f"give either relu=True or act={act!r}, not both")
-    a = get_act('relu' if relu and act is None else act)
+# %% ../nbs/23_fused.ipynb #2680f7d3
+def _act_spec(act, act_param, relu, default):
+    "`(name, param)` from `act` (a name, a module) or the older `relu=True/False` spelling, else `default`"
+    if relu is not None and act is not None: raise ValueError(f"give either relu={relu} or act={act!r}, not both")
+    a = get_act(default if act is None and relu is None else relu if act is None else act)
     if isinstance(act, nn.Module) and a.name == 'leaky_relu': act_param = float(act.negative_slope)
     return a.name, float(act_param)
 
@@ -103,17 +103,17 @@ class FusedConvBN2d(_FusedMixin, nn.Conv2d):
     _stock_class, _fused_attrs = nn.Conv2d, ('_fused_bn', 'act', 'act_param', 'mode', 'surgical', '_cl_guard')
     def __init__(self, in_channels:int, out_channels:int, kernel_size, stride=1, padding=0, dilation=1, groups:int=1,
                  bias:bool=False, eps:float=1e-5, momentum:float|None=0.1, affine:bool=True,
-                 track_running_stats:bool=True, relu:bool=False, mode:str='speed', act:str|nn.Module|None=None,
+                 track_running_stats:bool=True, relu:bool|None=None, mode:str='speed', act:str|nn.Module|None=None,
                  act_param:float=0., device=None, dtype=None):
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          device=device, dtype=dtype)
         if conv_geometry(self) is None: raise ValueError("padding='same' needs an odd dilation*(kernel_size-1)+1")
         self.bn = nn.BatchNorm2d(out_channels, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
-        name, p = _act_spec(act, act_param, relu)
+        name, p = _act_spec(act, act_param, relu, 'relu')
         self.__dict__.update(_fused_bn=self.bn, act=name, act_param=p, mode=check_mode(mode), surgical=False)
 
     @classmethod
-    def from_modules(cls, conv:nn.Conv2d, bn:nn.BatchNorm2d, relu:bool=False, mode:str='speed',
+    def from_modules(cls, conv:nn.Conv2d, bn:nn.BatchNorm2d, relu:bool|None=None, mode:str='speed',
                      act:str|nn.Module|None=None, act_param:float=0.) -> FusedConvBN2d:
         "Turn `conv` into a `FusedConvBN2d` in place, fusing `bn` (which stays where it is registered, as a pass-through)"
         if not isinstance(conv, nn.Conv2d) or isinstance(conv, _FusedMixin):
@@ -122,7 +122,7 @@ class FusedConvBN2d(_FusedMixin, nn.Conv2d):
         if bn.num_features != conv.out_channels:
             raise ValueError(f"BatchNorm2d has {bn.num_features} features but the conv has {conv.out_channels} output channels")
         if conv_geometry(conv) is None: raise ValueError(f"cannot fuse {conv}: needs padding_mode='zeros' and a symmetric padding")
-        name, p = _act_spec(act, act_param, relu)
+        name, p = _act_spec(act, act_param, relu, 'none')
         conv.__class__ = cls
         conv.__dict__.update(_fused_bn=bn, act=name, act_param=p, mode=check_mode(mode), surgical=True)
         bn.__class__ = PassThroughBN2d

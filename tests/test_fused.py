@@ -1,29 +1,34 @@
-"FusedConvBN2d against the stock Conv2d -> BatchNorm2d (-> + residual) (-> ReLU) in fp64 (the oracle): outputs, gradients, running stats"
+"FusedConvBN2d against the stock Conv2d -> BatchNorm2d (-> + residual) (-> activation) in fp64 (the oracle): outputs, gradients, running stats"
 import contextlib, copy, io, pickle
 from unittest import mock
 import pytest, torch
 from torch import nn
 from hypothesis import given, settings, example, strategies as st, HealthCheck
+from clfast.act import ACTS
 from clfast.fused import FusedConvBN2d, conv_bn_act
 from clfast.guard import guard_model
-from clfast import cpu_kernels
+from clfast import cpu_kernels, ops
 
-PATHS = ['cpp', 'generic']
+PATHS = ['kernel', 'ref']
 
 @contextlib.contextmanager
 def cpu_path(path):
-    "'cpp': the CPU's one-op C++ layer (the default); 'generic': the op that CUDA and torch.compile use, on CPU kernels"
-    if path == 'cpp': yield
+    "'kernel': the device's backend (the C++ kernels on the CPU, where they build); 'ref': the pure-PyTorch backend"
+    if path == 'kernel': yield
     else:
-        with mock.patch('clfast.fused._cpu_layer_kernels', lambda x: None): yield
+        with mock.patch.dict('os.environ', {'CLFAST_KERNELS': 'ref'}): yield
+
+ACT_NAMES = list(ACTS)
+def act_param(act): return {'leaky_relu': 0.1}.get(act, 0.)
 
 needs_cxx = pytest.mark.skipif(bool(cpu_kernels.missing_toolchain()), reason=str(cpu_kernels.missing_toolchain()))
 
-def pair(cin, cout, k=3, stride=1, padding=1, dilation=1, groups=1, bias=False, relu=True, mode='speed',
+def pair(cin, cout, k=3, stride=1, padding=1, dilation=1, groups=1, bias=False, act='relu', mode='speed',
          momentum=0.1, affine=True, track=True, device='cpu', dtype=torch.float32):
     "A standalone FusedConvBN2d and a stock (conv, bn) with identical, non-trivial parameters"
+    act = {True: 'relu', False: 'none'}.get(act, act)
     f = FusedConvBN2d(cin, cout, k, stride, padding, dilation, groups, bias, momentum=momentum, affine=affine,
-                      track_running_stats=track, relu=relu, mode=mode, device=device, dtype=dtype)
+                      track_running_stats=track, act=act, act_param=act_param(act), mode=mode, device=device, dtype=dtype)
     with torch.no_grad():
         if affine: f.bn.weight.uniform_(0.5, 1.5); f.bn.bias.uniform_(-0.5, 0.5)
         if track: f.bn.running_mean.uniform_(-0.2, 0.2); f.bn.running_var.uniform_(0.5, 2.0)
@@ -32,19 +37,20 @@ def pair(cin, cout, k=3, stride=1, padding=1, dilation=1, groups=1, bias=False, 
     bn = copy.deepcopy(f.bn)
     return f, conv, bn
 
-def stock(conv, bn, x, residual=None, relu=True, dy_scale=None):
+def stock(conv, bn, x, residual=None, act='relu', dy_scale=None):
     y = conv(x)
     if dy_scale is not None and y.requires_grad:  # the scale of the conv-output gradient, for a sum that cancels
         y.register_hook(lambda g: dy_scale.append(g.abs().sum().item()))
     y = bn(y)
     if residual is not None: y = y + residual
-    return torch.relu(y) if relu else y
+    act = {True: 'relu', False: 'none'}.get(act, act)
+    return ACTS[act](y, act_param(act))
 
 def close(a, b, rtol=1e-4, atol=1e-5, what=''):
     assert a is not None and b is not None, what
     torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
-def compare(f, conv, bn, x, residual, relu, tol=(1e-4, 1e-5), gtol=(1e-3, 1e-4)):
+def compare(f, conv, bn, x, residual, act, tol=(1e-4, 1e-5), gtol=(1e-3, 1e-4)):
     "Forward + backward of the fused layer and of the stock modules in fp64 contiguous (the oracle, converted in place); within fp32 rounding"
     conv.double(); bn.double()
     xs = [x.detach().clone().requires_grad_(), x.detach().double().contiguous().requires_grad_()]
@@ -52,7 +58,7 @@ def compare(f, conv, bn, x, residual, relu, tol=(1e-4, 1e-5), gtol=(1e-3, 1e-4))
           (residual.detach().clone().requires_grad_(), residual.detach().double().contiguous().requires_grad_())] \
          if residual is not None else [None, None]
     dy_scale = []
-    of = f(xs[0], rs[0]); os_ = stock(conv, bn, xs[1], rs[1], relu, dy_scale)
+    of = f(xs[0], rs[0]); os_ = stock(conv, bn, xs[1], rs[1], act, dy_scale)
     close(of, os_, *tol, what='output')
     g = torch.randn_like(of)
     of.backward(g); os_.backward(g.double())
@@ -76,16 +82,18 @@ def _guarded(f):
 
 @pytest.mark.parametrize('mode', ['speed', 'memory'])
 @pytest.mark.parametrize('train', [True, False])
-@pytest.mark.parametrize('relu,res', [(True, True), (False, True), (True, False)])
+@pytest.mark.parametrize('act,res', [('relu', True), ('none', True), ('relu', False), ('silu', True),
+                                     ('leaky_relu', False), ('gelu_tanh', False)])
 @pytest.mark.parametrize('path', PATHS)
-def test_gradcheck(mode, train, relu, res, path):
-    f = FusedConvBN2d(3, 4, 3, stride=2, padding=1, bias=True, relu=relu, mode=mode, dtype=torch.float64)
+def test_gradcheck(mode, train, act, res, path):
+    f = FusedConvBN2d(3, 4, 3, stride=2, padding=1, bias=True, act=act, act_param=act_param(act), mode=mode,
+                      dtype=torch.float64)
     with torch.no_grad(): f.bn.weight.uniform_(0.5, 1.5); f.bn.bias.uniform_(-0.5, 0.5); f.bn.running_var.fill_(1.5)
     f.train(train)
     f.bn.momentum = 0.  # running stats frozen so that repeated evaluations see the same module
     x = torch.randn(2, 3, 5, 5, dtype=torch.float64, requires_grad=True)
     r = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True) if res else None
-    fn = lambda x, w, b, bw, bb, *r: conv_bn_act(x, f, f.bn, r[0] if r else None, relu, mode)
+    fn = lambda x, w, b, bw, bb, *r: conv_bn_act(x, f, f.bn, r[0] if r else None, act, act_param(act), mode)
     inputs = (x, f.weight, f.bias, f.bn.weight, f.bn.bias) + ((r,) if res else ())
     with cpu_path(path): assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-5)
 
@@ -93,7 +101,7 @@ shapes = st.fixed_dictionaries(dict(
     n=st.sampled_from([1, 2, 3]), hw=st.sampled_from([1, 2, 5, 8]), cin=st.sampled_from([1, 3, 4]),
     cout=st.sampled_from([1, 3, 17]), k=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]),
     dilation=st.sampled_from([1, 2]), grouping=st.sampled_from(['none', 'groups', 'depthwise']), bias=st.booleans(),
-    cl=st.booleans(), relu=st.booleans(), res=st.booleans(), mode=st.sampled_from(['speed', 'memory']),
+    cl=st.booleans(), act=st.sampled_from(ACT_NAMES), res=st.booleans(), mode=st.sampled_from(['speed', 'memory']),
     momentum=st.sampled_from([0.1, None]), affine=st.booleans(), track=st.booleans(), train=st.booleans()))
 
 def _build(s, device='cpu'):
@@ -101,7 +109,7 @@ def _build(s, device='cpu'):
     if s['grouping'] == 'depthwise': cout, groups = cin, cin
     elif s['grouping'] == 'groups' and cin % 2 == 0 and cout % 2 == 0: groups = 2
     pad = s['dilation'] * (s['k'] - 1) // 2
-    f, conv, bn = pair(cin, cout, s['k'], s['stride'], pad, s['dilation'], groups, s['bias'], s['relu'], s['mode'],
+    f, conv, bn = pair(cin, cout, s['k'], s['stride'], pad, s['dilation'], groups, s['bias'], s['act'], s['mode'],
                        s['momentum'], s['affine'], s['track'], device=device)
     _guarded(f)
     for m in (f, conv, bn): m.train(s['train'])
@@ -117,16 +125,16 @@ def _check_case(s, device='cpu'):
     f, conv, bn, x, r, out_shape = _build(s, device)
     batch_stats = s['train'] or not s['track']
     if batch_stats and out_shape[0] * out_shape[2] * out_shape[3] == 1:
-        with pytest.raises(ValueError) as stock_err: stock(conv, bn, x, r, s['relu'])
+        with pytest.raises(ValueError) as stock_err: stock(conv, bn, x, r, s['act'])
         with pytest.raises(ValueError, match='more than 1 value per channel') as fused_err: f(x, r)
         assert str(fused_err.value) == str(stock_err.value)
         return
-    compare(f, conv, bn, x, r, s['relu'])
+    compare(f, conv, bn, x, r, s['act'])
 
 # found on an AMD EPYC with AVX2 only: oneDNN's 1x1 stride-2 backward-weights kernel on an nhwc input with IC < 8
 # (oneDNN issue 6035) gave dweight 10.35 for -1.88 in the stock fp32 oracle; the guarded layer equals fp64
 AVX2_1X1_S2 = dict(n=2, hw=8, cin=3, cout=1, k=1, stride=2, dilation=1, grouping='none', bias=False, cl=True,
-                   relu=True, res=False, mode='speed', momentum=0.1, affine=True, track=False, train=False)
+                   act='relu', res=False, mode='speed', momentum=0.1, affine=True, track=False, train=False)
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(s=shapes)
@@ -201,13 +209,13 @@ def test_same_and_valid_padding():
         compare(f, conv, bn, torch.randn(2, 3, 7, 7), None, True)
 
 def test_standalone_pickle_and_deepcopy():
-    f = FusedConvBN2d(3, 4, 3, padding=1, relu=False, mode='memory')
+    f = FusedConvBN2d(3, 4, 3, padding=1, act='silu', mode='memory')
     buf = io.BytesIO(); torch.save(f, buf); buf.seek(0)
     g = torch.load(buf, weights_only=False)
     h = copy.deepcopy(f)
     x = torch.randn(2, 3, 5, 5)
     for m in (g, h):
-        assert type(m) is FusedConvBN2d and m.mode == 'memory' and m.relu is False and m.fused_bn is m.bn
+        assert type(m) is FusedConvBN2d and m.mode == 'memory' and m.act == 'silu' and m.fused_bn is m.bn
         m.eval()
     f.eval()
     torch.testing.assert_close(f(x), g(x)); torch.testing.assert_close(f(x), h(x))
@@ -235,13 +243,18 @@ def test_torch_compile_fullgraph(mode):
     torch.testing.assert_close(f.bn.running_var, g.bn.running_var)
     assert f.bn.num_batches_tracked == g.bn.num_batches_tracked == 1
 
-@needs_cxx
-def test_cpu_layer_is_one_cpp_node():
-    "On the CPU in eager mode a fused layer is a single C++ autograd node; the generic op is a Python Function"
+@pytest.mark.parametrize('path', PATHS)
+def test_layer_is_one_op(path):
+    "Whatever the backend, a fused layer is one call of clfast::conv_bn_act (one autograd node) and one of its backward"
     f = FusedConvBN2d(3, 4, 3, padding=1)
     x = torch.randn(2, 3, 5, 5, requires_grad=True)
-    assert 'ConvBNAct' in f(x).grad_fn.name() and 'CppNode' in f(x).grad_fn.name()
-    with cpu_path('generic'): assert type(f(x).grad_fn).__name__ == 'ConvBNActFnBackward'
+    with cpu_path(path), torch.profiler.profile() as prof:
+        out = f(x)
+        assert 'clfast_conv_bn_act' in out.grad_fn.name()
+        out.sum().backward()
+    names = [e.name for e in prof.events()]
+    assert names.count('clfast::conv_bn_act') == 1 and names.count('clfast::conv_bn_act_backward') == 1
+    assert names.count('clfast::bn_update_running') == 1
 
 @pytest.mark.parametrize('path', PATHS)
 def test_no_double_backward(path):

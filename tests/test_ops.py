@@ -1,198 +1,200 @@
-"Tests of `clfast.ops`: reference vs C++ CPU kernel vs Triton (interpreted) vs autograd of stock BN + add + ReLU"
-import os, subprocess, sys, textwrap
-from math import prod
+"""Tests of `clfast.ops`: the fused layer's op (`clfast::conv_bn_act` + backward) through every backend that can run
+here (C++ on the CPU, the pure-PyTorch reference, Triton interpreted in a subprocess, CUDA when present) against the
+fp64 oracle: stock conv -> batch_norm -> (+ residual) -> activation, differentiated by autograd."""
+import contextlib, os, subprocess, sys, textwrap
 from pathlib import Path
+from unittest import mock
 import pytest, torch
 import torch.nn.functional as F
-from hypothesis import given, settings, HealthCheck, strategies as st
 from clfast import ops, cpu_kernels
+from clfast.act import ACTS
 
 ROOT = Path(__file__).parent.parent
-TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=2e-5, rtol=2e-5),
-       torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+# outputs / gradients, relative to the tensor's scale
+TOL = {torch.float64: (1e-10, 1e-9), torch.float32: (1e-4, 1e-3), torch.bfloat16: (3e-2, 6e-2),
+       torch.float16: (4e-3, 1e-2)}
+BACKENDS = ['kernel', 'ref']
+# each activation with a parameter that exercises it (leaky: a slope whose derivative can and one that cannot be read
+# from the output)
+ACT_CASES = [(a, 0.) for a in ACTS if a != 'leaky_relu'] + [('leaky_relu', 0.1), ('leaky_relu', -0.2)]
 
 def _env(**kw):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get('PYTHONPATH', ''))
     env.update(kw)
     return env
 
-def stock(y, w, b, r, relu, training, rm, rv, eps=1e-5):
-    "Stock BN (+ add) (+ ReLU), differentiable"
-    z = F.batch_norm(y, None if training else rm, None if training else rv, w, b, training=training, eps=eps)
-    if r is not None: z = z + r
-    return F.relu(z) if relu else z
+@contextlib.contextmanager
+def backend(name):
+    "'kernel': the device's own backend; 'ref': the pure-PyTorch one"
+    if name == 'kernel': yield
+    else:
+        with mock.patch.dict('os.environ', {'CLFAST_KERNELS': 'ref'}): yield
 
-def check(shape, dt, cl, affine, res, relu, training, device='cpu', seed=0):
-    "Kernel (through the public ops) and reference both match autograd of stock ops computed in fp64"
+def oracle(x, w, b, bw, bb, res, rm, rv, training, act, p, stride=1, padding=1, round_to=None):
+    """The stock composition, in whatever dtype its inputs are (fp64 for the oracle). With `round_to` the conv output is
+    rounded to that dtype (gradient passed straight through), as the layer's is: otherwise a value near an activation's
+    kink lands on different sides of it in the two and a low-precision comparison fails at random."""
+    y = F.conv2d(x, w, b, stride, padding)
+    if round_to is not None: y = y + (y.to(round_to).to(y.dtype) - y).detach()
+    z = F.batch_norm(y, None if training else rm, None if training else rv, bw, bb, training=training, eps=1e-5)
+    if res is not None: z = z + res
+    return ACTS[act](z, p)
+
+def _close(got, exp, tol, what, floor=1e-12):
+    "`got` within `tol` of `exp` relative to `exp`'s scale, at least `floor` (elementwise relative error is meaningless near 0)"
+    scale = exp.abs().max().clamp_min(floor)
+    err = (got.double() - exp).abs().max() / scale
+    assert err <= tol, f"{what}: max error {err:.3g} of scale {scale:.3g} > {tol}"
+
+def check(dt, act, p, res, training, keep_y, affine=True, bias=True, shape=(2, 6, 5, 5), cout=7, seed=0,
+          device='cpu'):
+    "The op through `fused_conv_bn` (forward, backward, running stats) against the fp64 oracle"
     g = torch.Generator().manual_seed(seed)
-    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
-    lay = (lambda t: t.to(memory_format=fmt)) if cl else (lambda t: t.contiguous())
+    n, cin, h, wd = shape
     mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
-    y = lay((mk(*shape) * 2 + 1).to(dt)).to(device)
-    c, pdt = shape[1], ops.acc_dtype(dt)
-    w = (mk(c).abs() + .5).to(pdt).to(device) if affine else None
-    b = mk(c).to(pdt).to(device) if affine else None
-    r = lay(mk(*shape).to(dt)).to(device) if res else None
-    dout = lay(mk(*shape).to(dt)).to(device)
-    rm, rv = mk(c).to(pdt).to(device), (mk(c).abs() + .5).to(pdt).to(device)
-    # truth: stock autograd in fp64 on the very same (rounded) inputs
-    y64 = y.double().requires_grad_()
-    p64 = [t.double().requires_grad_() if t is not None else None for t in (w, b, r)]
-    out64 = stock(y64, *p64, relu, training, rm.double(), rv.double())
-    want = [y64] + [t for t in p64 if t is not None]
-    grads64 = iter(torch.autograd.grad(out64, want, dout.double()))
-    g64 = [next(grads64)] + [next(grads64) if t is not None else None for t in p64]
+    x, w = mk(n, cin, h, wd), mk(cout, cin, 3, 3) * 0.3
+    b = mk(cout) if bias else None
+    bw, bb = (mk(cout).abs() + 0.5, mk(cout)) if affine else (None, None)
+    r = mk(n, cout, h, wd) if res else None
+    rm, rv = mk(cout) * 0.1, mk(cout).abs() + 0.5
+    dout = mk(n, cout, h, wd)
+    # the oracle computes in fp64 on the values the layer gets: inputs rounded to its dtype
+    rnd = lambda t: None if t is None else t.to(dt).double()
+    x, w, b, r, dout = rnd(x), rnd(w), rnd(b), rnd(r), rnd(dout)
+    lead = [x, w] + [t for t in (b, bw, bb, r) if t is not None]
+    pdt = torch.float64 if dt == torch.float64 else torch.float32   # BN's parameters and buffers
+    exp_in = [t.clone().requires_grad_() for t in lead]
+    it = iter(exp_in[2:])
+    eb, ebw, ebb, er = (next(it) if t is not None else None for t in (b, bw, bb, r))
+    exp = oracle(exp_in[0], exp_in[1], eb, ebw, ebb, er, rm, rv, training, act, p, round_to=dt)
+    exp_grads = torch.autograd.grad(exp, exp_in, dout)
+    cl = lambda t: t.to(device, dt).to(memory_format=torch.channels_last) if t.dim() == 4 else t.to(device, dt)
+    got_in = [cl(t).requires_grad_() for t in [x, w]] + [t.to(device).requires_grad_() if t is not bw and t is not bb and t is not b
+              else t.to(device, pdt).requires_grad_() for t in lead[2:]]
+    if r is not None: got_in[-1] = cl(r).requires_grad_()
+    if b is not None: got_in[2] = b.to(device, dt).requires_grad_()
+    it = iter(got_in[2:])
+    gb, gbw, gbb, gr = (next(it) if t is not None else None for t in (b, bw, bb, r))
+    grm, grv = rm.to(device, pdt, copy=True), rv.to(device, pdt, copy=True)
+    nbt = torch.zeros((), dtype=torch.long, device=device)
+    out = ops.fused_conv_bn(got_in[0], got_in[1], gb, gbw, gbb, grm, grv, nbt,
+                            training, 0.1, 1e-5, (1, 1), (1, 1), (1, 1), 1, gr, act, p, keep_y)
+    assert out.dtype == dt and out.is_contiguous(memory_format=torch.channels_last)
+    tout, tgrad = TOL[dt]
+    _close(out.cpu(), exp.detach(), tout, f'output ({act})')
+    got_grads = torch.autograd.grad(out, got_in, dout.to(device, dt))
+    names = ['dx', 'dweight'] + [n for n, t in zip(('dbias', 'dbn_weight', 'dbn_bias', 'dresidual'), (b, bw, bb, r))
+                                 if t is not None]
+    for n_, a, e in zip(names, got_grads, exp_grads):
+        assert a.dtype == got_in[names.index(n_)].dtype, n_
+        # with batch statistics the conv bias gradient is a sum that cancels to ~0: compare it at the scale of dx
+        floor = exp_grads[0].abs().max() if n_ == 'dbias' else 1e-12
+        _close(a.cpu(), e, tgrad, f'{n_} ({act}, p={p})', floor)
+    if training:   # running statistics: momentum 0.1 from the batch's mean and unbiased variance
+        yy = F.conv2d(x, w, b, 1, 1)
+        st = 1e-10 if dt == torch.float64 else max(1e-5, tout)   # statistics of the conv output rounded to dt
+        _close(grm.cpu(), 0.9 * rm + 0.1 * yy.mean((0, 2, 3)), st, 'running_mean')
+        _close(grv.cpu(), 0.9 * rv + 0.1 * yy.var((0, 2, 3)), st, 'running_var')
+        assert nbt.item() == 1
+    else: assert nbt.item() == 0
 
-    for impl in ('kernel', 'ref'):
-        stats, fwd, bwd = ((ops.bn_stats, ops.bn_act_fwd, ops.bn_act_bwd) if impl == 'kernel' else
-                           (ops.ref_bn_stats, ops.ref_bn_act_fwd, ops.ref_bn_act_bwd))
-        if training:
-            mean, var = stats(y)
-            assert mean.dtype == pdt and var.dtype == pdt and mean.shape == (c,)
-            torch.testing.assert_close(mean.double(), y.double().mean([0, *range(2, y.dim())]), **TOL[pdt])
-            torch.testing.assert_close(var.double(), y.double().var([0, *range(2, y.dim())], unbiased=False),
-                                       **TOL[pdt])
-        else: mean, var = rm, rv
-        invstd = (var + 1e-5).rsqrt()
-        out = fwd(y, mean, invstd, w, b, r, relu)
-        assert out.dtype == dt and out.shape == y.shape
-        assert out.is_contiguous(memory_format=fmt)
-        torch.testing.assert_close(out.double(), out64.detach(), **TOL[dt])
-        dy, dw, db, dr = bwd(dout, y, mean, invstd, w, b, r, relu, training)
-        assert dy.dtype == dt
-        # dy's terms scale with invstd*|w|, and cancel when M is tiny (M=2: x_hat = +-1): scale atol with them
-        k = (invstd * (1 if w is None else w.abs())).max().item()
-        torch.testing.assert_close(dy.double(), g64[0], atol=TOL[dt]['atol'] * max(1, k), rtol=TOL[dt]['rtol'])
-        for got, exp in zip((dw, db), g64[1:3]):
-            if exp is None: assert got is None
-            else:
-                assert got.dtype == pdt
-                # per-channel sums over M rounded inputs: scale the tolerance with M
-                m = y.numel() // c
-                tol = TOL[pdt] if dt in (torch.float32, torch.float64) else dict(atol=2e-2 * m**.5, rtol=2e-2)
-                torch.testing.assert_close(got.double(), exp, **tol)
-        if r is None: assert dr is None
-        else:
-            assert dr.dtype == r.dtype
-            torch.testing.assert_close(dr.double(), g64[3], **TOL[dt])
+@pytest.mark.parametrize('act,p', ACT_CASES)
+@pytest.mark.parametrize('res', [True, False])
+@pytest.mark.parametrize('which', BACKENDS)
+def test_every_activation_fp64(act, p, res, which):
+    "fp64: every activation, with and without a residual, training and eval, y kept and recomputed"
+    with backend(which):
+        for training, keep_y in [(True, True), (False, False)]:
+            check(torch.float64, act, p, res, training, keep_y)
 
-shapes = st.tuples(st.sampled_from([1, 2, 3]), st.sampled_from([1, 3, 17, 64]), st.sampled_from([1, 3, 5]),
-                   st.sampled_from([1, 2, 7]))
-
-@settings(deadline=None, suppress_health_check=list(HealthCheck))
-@given(shape=shapes, dt=st.sampled_from([torch.float64, torch.float32, torch.bfloat16, torch.float16]),
-       cl=st.booleans(), affine=st.booleans(), res=st.booleans(), relu=st.booleans(), training=st.booleans(),
-       seed=st.integers(0, 2**16))
-def test_against_stock_cpu(shape, dt, cl, affine, res, relu, training, seed):
-    training = training and shape[0] * shape[2] * shape[3] > 1   # stock refuses one value per channel
-    check(shape, dt, cl, affine, res, relu, training, seed=seed)
-
-@pytest.mark.parametrize('shape', [(1, 1, 1, 1), (1, 3, 1, 1), (2, 17, 1, 1, 1), (2, 5, 2, 3, 3)])
-def test_degenerate_and_3d_cpu(shape):
-    "N=1, H=W=1 (one value per channel in eval), C=1 and 5D inputs"
-    check(shape, torch.float64, True, True, True, True, training=prod(shape) // shape[1] > 1)
-    check(shape, torch.float32, False, False, False, False, training=False)
+@pytest.mark.parametrize('dt', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('act,p', [('relu', 0.), ('silu', 0.), ('leaky_relu', -0.2), ('hardswish', 0.), ('gelu', 0.)])
+@pytest.mark.parametrize('which', BACKENDS)
+def test_low_precision(dt, act, p, which):
+    "fp32 and bf16 inputs (fp32 statistics and BN parameters): within the dtype's rounding of the fp64 oracle"
+    with backend(which):
+        check(dt, act, p, True, True, True, shape=(3, 8, 6, 6), cout=16)
+        check(dt, act, p, False, False, False, affine=False, bias=False, shape=(3, 8, 6, 6), cout=16)
 
 def test_uses_cpp_kernel():
-    "The CPU dispatch really runs the C++ kernel (not the reference) when a compiler is present"
+    "The CPU dispatch really runs the C++ backend (not the reference) when a compiler is present"
     if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
     k = ops.kernel_backend('cpu')
-    assert k is not None and k.stats is torch.ops.clfast_cpu.stats
+    assert k is not ops.REFERENCE and k.layer_fwd is torch.ops.clfast_cpu.layer_fwd
 
-def test_stats_numerics_cpu():
-    "fp32 variance stays accurate when the mean dwarfs the spread; bf16 input accumulates in fp32"
-    y = torch.randn(20000, 8, dtype=torch.float64) + 1e4
-    x = y.float().t().reshape(1, 8, 100, 200)
-    mean, var = ops.bn_stats(x)
-    torch.testing.assert_close(var.double(), x.double().var((0, 2, 3), unbiased=False), rtol=1e-3, atol=0)
-    yb = (torch.rand(1, 4, 300, 301) + 1).bfloat16()
-    mean, var = ops.bn_stats(yb)
-    torch.testing.assert_close(mean.double(), yb.double().mean((0, 2, 3)), rtol=1e-5, atol=0)
-    torch.testing.assert_close(var.double(), yb.double().var((0, 2, 3), unbiased=False), rtol=1e-4, atol=0)
-
-def test_triton_interpreted():
-    "The CUDA (Triton) kernels' numerics, interpreted on the CPU in a fresh process"
-    pytest.importorskip('triton')
-    p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-x',
-                        str(ROOT/'tests'/'_triton_interp_kernels.py')],
-                       env=_env(TRITON_INTERPRET='1'), capture_output=True, text=True, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
-    assert ' passed' in p.stdout and 'skipped' not in p.stdout
-
-def _op_args():
+def _op_args(keep_y=True, res=True, training=True, act=1):
     cl = torch.channels_last
-    y = torch.randn(2, 5, 3, 3).to(memory_format=cl)
-    m, v = ops.bn_stats(y)
-    inv, w, b, r = (v + 1e-5).rsqrt(), torch.randn(5), torch.randn(5), torch.randn(2, 5, 3, 3).to(memory_format=cl)
-    g = torch.randn_like(y)
-    yb = torch.randn(3, 4, 5, 1, 2).bfloat16()
-    mb, vb = ops.bn_stats(yb)
-    return dict(
-        stats=[(y,), (y.contiguous(),), (yb,)],
-        fwd=[(y, m, inv, w, b, r, True), (y, m, inv, None, None, None, False), (y.contiguous(), m, inv, w, b, r, False),
-             (yb, mb, vb, None, None, yb, True)],
-        bwd=[(g, y, m, inv, w, b, r, True, True, True), (g, y, m, inv, None, None, None, False, False, False),
-             (g.contiguous(), y, m, inv, w, None, r, True, False, True), (yb, yb, mb, vb, None, None, None, True, True, False)])
+    x = torch.randn(2, 3, 5, 5).to(memory_format=cl)
+    w, b = torch.randn(4, 3, 3, 3).to(memory_format=cl), torch.randn(4)
+    bw, bb = torch.rand(4) + .5, torch.randn(4)
+    r = torch.randn(2, 4, 5, 5).to(memory_format=cl) if res else None
+    mean, var = (None, None) if training else (torch.randn(4), torch.rand(4) + .5)
+    return (x, w, b, bw, bb, r, mean, var, [1, 1], [1, 1], [1, 1], 1, 1e-5, act, 0.1, keep_y)
 
-def test_opcheck():
-    "Schemas, fake (meta) implementations and dispatch pass torch.library.opcheck"
-    args = _op_args()
-    for op, key in ((ops.bn_stats_op, 'stats'), (ops.bn_act_fwd_op, 'fwd'), (ops.bn_act_bwd_op, 'bwd')):
-        for a in args[key]: torch.library.opcheck(op, a)
+@pytest.mark.parametrize('kw', [{}, dict(keep_y=False), dict(res=False, training=False), dict(act=4, res=True)])
+def test_opcheck(kw):
+    "Schema, fake implementation, autograd registration and dispatch pass torch.library.opcheck"
+    torch.library.opcheck(ops.conv_bn_act_op, _op_args(**kw))
 
-def _fn(y, w, b, r):
-    mean, var = ops.bn_stats(y)
-    invstd = (var + 1e-5).rsqrt()
-    out = ops.bn_act_fwd(y, mean, invstd, w, b, r, True)
-    dy, dw, db, dr = ops.bn_act_bwd(out, y, mean, invstd, w, b, r, True, True)
-    return out, dy, dw, db, dr
+def test_bn_update_running_opcheck():
+    rm, rv, nbt = torch.zeros(4), torch.ones(4), torch.zeros((), dtype=torch.long)
+    torch.library.opcheck(ops.bn_update_running_op, (rm, rv, nbt, torch.rand(5, 4), 10, None))
+    torch.library.opcheck(ops.bn_update_running_op, (rm, rv, None, torch.rand(5, 4), 10, 0.1))
 
-def _compiled_matches(backend):
-    torch._dynamo.reset()
-    y = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
-    w, b, r = torch.rand(6) + .5, torch.randn(6), torch.randn_like(y)
-    got = torch.compile(_fn, fullgraph=True, backend=backend)(y, w, b, r)
-    for a, e in zip(got, _fn(y, w, b, r)): torch.testing.assert_close(a, e)
-
-def test_compile_traces_fullgraph():
-    "Dynamo + AOT autograd trace the ops with their fake implementations, no graph break"
-    _compiled_matches('aot_eager')
-
-@pytest.mark.slow
-def test_compile_inductor():
-    "The default inductor backend compiles around the ops (CPU C++ codegen: slow)"
-    _compiled_matches('inductor')
+def test_cumulative_average():
+    "momentum=None: the running statistics are the plain average over the batches seen, as BatchNorm2d's"
+    bn = torch.nn.BatchNorm2d(3, momentum=None)
+    rm, rv, nbt = torch.zeros(3), torch.ones(3), torch.zeros((), dtype=torch.long)
+    w = torch.randn(3, 2, 1, 1)
+    for _ in range(3):
+        x = torch.randn(4, 2, 3, 3)
+        ops.fused_conv_bn(x, w, None, None, None, rm, rv, nbt, True, None, 1e-5, (1, 1), (0, 0), (1, 1), 1)
+        bn(F.conv2d(x, w))
+    torch.testing.assert_close(rm, bn.running_mean); torch.testing.assert_close(rv, bn.running_var)
+    assert nbt == bn.num_batches_tracked == 3
 
 def test_bad_input():
-    y = torch.randn(2, 3, 4, 4)
-    m, v = ops.bn_stats(y)
-    with pytest.raises(TypeError, match='floating-point'): ops.bn_stats(torch.ones(2, 3, 4, 4, dtype=torch.int64))
-    with pytest.raises(ValueError, match='at least 2 dims'): ops.bn_stats(torch.randn(5))
-    with pytest.raises(ValueError, match='at least one value'): ops.bn_stats(torch.randn(0, 3, 4, 4))
-    with pytest.raises(ValueError, match='Per-channel'): ops.bn_act_fwd(y, m[:2], v)
-    with pytest.raises(ValueError, match='residual shape'): ops.bn_act_fwd(y, m, v, residual=torch.randn(2, 3, 4, 5))
-    with pytest.raises(ValueError, match='dout shape'): ops.bn_act_bwd(torch.randn(1, 3, 4, 4), y, m, v)
+    x, w = torch.randn(2, 3, 4, 4), torch.randn(5, 3, 3, 3)
+    args = lambda **kw: dict(dict(x=x, weight=w, bias=None, bn_weight=None, bn_bias=None, running_mean=None,
+                                  running_var=None, num_batches_tracked=None, training=True, momentum=0.1, eps=1e-5,
+                                  stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1), **kw)
+    with pytest.raises(ValueError, match='4D input'): ops.fused_conv_bn(**args(x=torch.randn(3, 4, 4)))
+    with pytest.raises(ValueError, match='residual shape'): ops.fused_conv_bn(**args(residual=torch.randn(2, 5, 4, 5)))
+    with pytest.raises(ValueError, match='more than 1 value'): ops.fused_conv_bn(**args(x=torch.randn(1, 3, 1, 1), padding=(0, 0), weight=torch.randn(5, 3, 1, 1)))
+    with pytest.raises(ValueError, match='unknown activation'): ops.fused_conv_bn(**args(act='mish'))
+
+def test_no_double_backward():
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    out = ops.fused_conv_bn(x, torch.randn(5, 3, 3, 3), None, None, None, None, None, None, True, 0.1, 1e-5,
+                            (1, 1), (1, 1), (1, 1), 1, act='silu')
+    with pytest.raises(RuntimeError, match='no double backward'):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
 
 def test_ref_env_forces_reference(monkeypatch):
     monkeypatch.setenv('CLFAST_KERNELS', 'ref')
-    assert ops.kernel_backend('cpu') is None
-    check((2, 3, 2, 2), torch.float32, True, True, True, True, True)
+    assert ops.kernel_backend('cpu') is ops.REFERENCE
+
+def test_register_backend():
+    "A registered device's loader runs once, on first use; one that raises falls back to the reference, warning once"
+    calls = []
+    def loader(): calls.append(1); raise RuntimeError('no such kernels')
+    ops.register_backend('xla_test', loader)
+    with pytest.warns(UserWarning, match='no xla_test kernels'): assert ops.kernel_backend('xla_test') is ops.REFERENCE
+    assert ops.kernel_backend('xla_test') is ops.REFERENCE and calls == [1]
 
 def test_no_compiler_falls_back_with_one_warning(tmp_path):
-    "Without a C++ compiler the ops still work, on the pure-PyTorch path, after exactly one warning"
+    "Without a C++ compiler the fused layer still works, on the pure-PyTorch path, after exactly one warning"
     code = textwrap.dedent("""
         import warnings, torch
-        from clfast import ops, cpu_kernels
+        from clfast import cpu_kernels
+        from clfast.fused import FusedConvBN2d
         assert 'compiler' in cpu_kernels.missing_toolchain()
-        y = torch.randn(2, 3, 4, 4)
+        f = FusedConvBN2d(3, 4, 3, padding=1, act='silu')
         with warnings.catch_warnings(record=True) as ws:
             warnings.simplefilter('always')
-            for _ in range(3):
-                m, v = ops.bn_stats(y)
-                out = ops.bn_act_fwd(y, m, (v + 1e-5).rsqrt(), relu=True)
+            for _ in range(3): f(torch.randn(2, 3, 5, 5)).sum().backward()
         msgs = [str(w.message) for w in ws if 'clfast' in str(w.message)]
         assert len(msgs) == 1 and 'pure-PyTorch' in msgs[0], msgs
-        torch.testing.assert_close(out, ops.ref_bn_act_fwd(y, m, (v + 1e-5).rsqrt(), relu=True))
         print('OK')""")
     p = subprocess.run([sys.executable, '-c', code], env=_env(CXX=str(tmp_path/'no-such-c++'),
                        TORCH_EXTENSIONS_DIR=str(tmp_path/'ext')), capture_output=True, text=True)
@@ -211,53 +213,43 @@ def test_second_process_reuses_cache():
     assert p.stdout.strip().splitlines()[-1] == str(lib)
     assert lib.stat().st_mtime_ns == before
 
+def test_triton_interpreted():
+    "The CUDA (Triton) kernels' numerics, interpreted on the CPU in a fresh process"
+    pytest.importorskip('triton')
+    p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-x',
+                        str(ROOT/'tests'/'_triton_interp_kernels.py')],
+                       env=_env(TRITON_INTERPRET='1'), capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    assert ' passed' in p.stdout and 'skipped' not in p.stdout
+
 @pytest.mark.cuda
 @pytest.mark.parametrize('dt', [torch.float32, torch.bfloat16, torch.float16, torch.float64])
-@pytest.mark.parametrize('res,relu,training', [(True, True, True), (False, True, False), (True, False, True),
-                                               (False, False, False)])
-def test_against_stock_cuda(dt, res, relu, training):
-    "CUDA dispatch (Triton kernels) matches stock autograd"
-    assert ops.kernel_backend('cuda') is not None
-    for shape in [(2, 64, 7, 9), (1, 17, 1, 1), (3, 3, 5, 5), (8, 256, 14, 14)]:
-        if training and shape[0] * shape[2] * shape[3] == 1: continue
-        check(shape, dt, True, True, res, relu, training, device='cuda')
-    check((2, 17, 5, 5), dt, False, False, res, relu, training, device='cuda')
+@pytest.mark.parametrize('act,p', ACT_CASES)
+def test_against_fp64_cuda(dt, act, p):
+    "CUDA dispatch (Triton kernels) matches the fp64 oracle"
+    assert ops.kernel_backend('cuda') is not ops.REFERENCE
+    for res, training, keep_y in [(True, True, True), (False, False, False)]:
+        check(dt, act, p, res, training, keep_y, device='cuda', shape=(4, 16, 9, 9), cout=70)
 
 @pytest.mark.cuda
 def test_opcheck_cuda():
-    args = _op_args()
     to = lambda a: tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in a)
-    for op, key in ((ops.bn_stats_op, 'stats'), (ops.bn_act_fwd_op, 'fwd'), (ops.bn_act_bwd_op, 'bwd')):
-        for a in args[key]: torch.library.opcheck(op, to(a))
+    torch.library.opcheck(ops.conv_bn_act_op, to(_op_args()))
 
-class _BnAct(torch.autograd.Function):
-    "Test-only autograd wrapper: statistics (training) or running stats (eval) + fused fwd, fused bwd"
-    @staticmethod
-    def forward(ctx, y, w, b, r, relu, training, rm, rv):
-        mean, var = ops.bn_stats(y) if training else (rm, rv)
-        invstd = (var + 1e-5).rsqrt()
-        ctx.save_for_backward(y, w, b, r, mean, invstd)
-        ctx.relu, ctx.training = relu, training
-        return ops.bn_act_fwd(y, mean, invstd, w, b, r, relu)
-    @staticmethod
-    def backward(ctx, g):
-        y, w, b, r, mean, invstd = ctx.saved_tensors
-        return (*ops.bn_act_bwd(g.contiguous(memory_format=torch.channels_last), y, mean, invstd, w, b, r,
-                                ctx.relu, ctx.training), None, None, None, None)
-
-@pytest.mark.parametrize('relu,res,training', [(True, True, True), (True, False, False), (False, True, False),
-                                               (False, False, True)])
-def test_gradcheck_fp64(relu, res, training, device='cpu'):
-    "float64 gradcheck of the kernels' backward, batch statistics included (their dependence on y)"
-    cl, kw = torch.channels_last, dict(dtype=torch.float64, device=device)
-    y = torch.randn(2, 3, 3, 3, **kw).to(memory_format=cl).requires_grad_()
-    w = (torch.rand(3, **kw) + .5).requires_grad_()
-    b = torch.randn(3, **kw, requires_grad=True)
-    r = torch.randn(2, 3, 3, 3, **kw).to(memory_format=cl).requires_grad_() if res else None
-    rm, rv = torch.randn(3, **kw), torch.rand(3, **kw) + .5
-    f = lambda y, w, b, *r: _BnAct.apply(y, w, b, r[0] if r else None, relu, training, rm, rv)
-    assert torch.autograd.gradcheck(f, (y, w, b, *([r] if res else [])))
+@pytest.mark.parametrize('act,res,training', [('relu', True, True), ('silu', False, False), ('leaky_relu', True, False),
+                                              ('gelu_tanh', False, True)])
+@pytest.mark.parametrize('which', BACKENDS)
+def test_gradcheck_fp64(act, res, training, which, device='cpu'):
+    "float64 gradcheck of the op's backward, batch statistics included (their dependence on y)"
+    kw = dict(dtype=torch.float64, device=device)
+    x = torch.randn(2, 3, 4, 4, **kw, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, **kw, requires_grad=True)
+    bw, bb = (torch.rand(4, **kw) + .5).requires_grad_(), torch.randn(4, **kw, requires_grad=True)
+    r = torch.randn(2, 4, 4, 4, **kw, requires_grad=True) if res else None
+    rm, rv = torch.randn(4, **kw), torch.rand(4, **kw) + .5
+    f = lambda x, w, bw, bb, *r: ops.fused_conv_bn(x, w, None, bw, bb, rm, rv, None, training, 0., 1e-5, (1, 1),
+                                                   (1, 1), (1, 1), 1, r[0] if r else None, act, 0.1)
+    with backend(which): assert torch.autograd.gradcheck(f, (x, w, bw, bb, *([r] if res else [])))
 
 @pytest.mark.cuda
-@pytest.mark.parametrize('relu,res,training', [(True, True, True), (False, False, False)])
-def test_gradcheck_fp64_cuda(relu, res, training): test_gradcheck_fp64(relu, res, training, 'cuda')
+def test_gradcheck_fp64_cuda(): test_gradcheck_fp64('silu', True, True, 'kernel', 'cuda')

@@ -375,13 +375,13 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
     fwd(yr, prm[2], prm[3], None if residual is None else _rows(_cl(residual)), act, act_param, out=orows)
     return out, (y if keep_y else y.new_empty(0)), prm
 
-# %% ../nbs/20_triton_kernels.ipynb #d7513f3b
+# %% ../nbs/20_triton_kernels.ipynb #f9e6a8ef
 def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, params:Tensor,
               residual:Tensor|None, out:Tensor|None, stride, padding, dilation, groups:int, training:bool, act:int,
               act_param:float, needs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     "`(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual)`, empty where `needs` says so: see `clfast/KERNELS.md`"
     n_dx, n_dw, n_db, n_dg, n_dbeta, n_dres = (bool(b) for b in needs)
-    n_db = n_db and bias is not None
+    n_db, n_dres = n_db and bias is not None, n_dres and residual is not None
     from_out = out is not None and out.numel() > 0
     want_dy = n_dx or n_dw or n_db
     # y is needed for batch statistics' backward, for dbn_weight, and to recompute z for act'

@@ -51,7 +51,7 @@ def _stats_final(ps_ptr, pq_ptr, shift_ptr, mean_ptr, var_ptr, P, M, C, BLOCK_C:
     tl.store(mean_ptr + cols, shift + md, mask=cmask)
     tl.store(var_ptr + cols, tl.maximum(q / M - md * md, 0), mask=cmask)
 
-# %% ../nbs/20_triton_kernels.ipynb #2eedb9e3
+# %% ../nbs/20_triton_kernels.ipynb #38c149b4
 @triton.jit
 def _sig2(a):
     "`(sigmoid(a), sigmoid(a)*(1 - sigmoid(a)))`, computed without overflow or cancellation"
@@ -62,8 +62,8 @@ def _sig2(a):
 @triton.jit
 def _act(z, p, ACT: tl.constexpr):
     "`act(z)` for the activation with code `ACT` and parameter `p`, in `z`'s dtype"
-    if ACT == 1: r = tl.where(z > 0, z, 0)
-    elif ACT == 2: r = tl.minimum(tl.maximum(z, 0), 6)
+    if ACT == 1: r = tl.where(z < 0, 0, z)                              # NaN stays NaN, as in PyTorch
+    elif ACT == 2: r = tl.where(z < 0, 0, tl.where(z > 6, 6, z))
     elif ACT == 3: r = tl.where(z > 0, z, z * p)
     elif ACT == 4: r = z / (1 + tl.exp(-z))
     elif ACT == 5: r = z * tl.minimum(tl.maximum(z + 3, 0), 6) / 6
@@ -80,8 +80,8 @@ def _act(z, p, ACT: tl.constexpr):
 def _act_grad(z, p, ACT: tl.constexpr):
     "`act'(z)` for the activation with code `ACT` and parameter `p`, in `z`'s dtype"
     one, zero = tl.full(z.shape, 1, z.dtype), tl.zeros(z.shape, z.dtype)
-    if ACT == 1: d = tl.where(z > 0, one, zero)
-    elif ACT == 2: d = tl.where((z > 0) & (z < 6), one, zero)
+    if ACT == 1: d = tl.where(z <= 0, zero, one)                       # written so that NaN lets dout through,
+    elif ACT == 2: d = tl.where((z <= 0) | (z >= 6), zero, one)        # as ATen's backward kernels do
     elif ACT == 3: d = tl.where(z > 0, one, one * p)
     elif ACT == 4:
         s = 1 / (1 + tl.exp(-z))
@@ -103,8 +103,8 @@ def _act_grad_from_out(out, p, ACT: tl.constexpr):
     "`act'(z)` read from `out = act(z)`, for the activations where that is exact (codes 0-3, slope >= 0)"
     tl.static_assert(ACT <= 3, "the derivative of this activation cannot be read from its output")
     one, zero = tl.full(out.shape, 1, out.dtype), tl.zeros(out.shape, out.dtype)
-    if ACT == 1: d = tl.where(out > 0, one, zero)
-    elif ACT == 2: d = tl.where((out > 0) & (out < 6), one, zero)
+    if ACT == 1: d = tl.where(out <= 0, zero, one)
+    elif ACT == 2: d = tl.where((out <= 0) | (out >= 6), zero, one)
     elif ACT == 3: d = tl.where(out > 0, one, one * p)
     else: d = one
     return d

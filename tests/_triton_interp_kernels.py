@@ -20,7 +20,7 @@ DTYPES = [F64, F32, BF16, F16]
 TOL = {F64: dict(atol=1e-10, rtol=1e-10), F32: dict(atol=1e-4, rtol=1e-4),
        BF16: dict(atol=2e-2, rtol=2e-2), F16: dict(atol=2e-3, rtol=2e-3)}
 # the layer's tolerances, relative to the largest magnitude of each result: (outputs and statistics, gradients)
-LTOL = {F64: (1e-10, 1e-10), F32: (1e-4, 1e-3), BF16: (3e-2, 5e-2), F16: (4e-3, 1e-2)}
+LTOL = {F64: (1e-10, 1e-10), F32: (1e-4, 1e-3), BF16: (2e-2, 3e-2), F16: (2e-3, 5e-3)}
 ACT_CASES = [('none', 0.), ('relu', 0.), ('relu6', 0.), ('leaky_relu', .1), ('leaky_relu', -.2), ('silu', 0.),
              ('hardswish', 0.), ('gelu', 0.), ('gelu_tanh', 0.)]
 ACT_IDS = [f'{n}{p:+g}' if n == 'leaky_relu' else n for n, p in ACT_CASES]
@@ -59,7 +59,8 @@ def test_stats_many_programs():
 @pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)
 @pytest.mark.parametrize('dt', [F64, F32])
 def test_act_formulas(name, p, dt):
-    "`_act`, `_act_grad` and `_act_grad_from_out` against the reference and its autograd, kinks included"
+    """`_act`, `_act_grad` and `_act_grad_from_out` against the reference and its autograd, kinks included; a NaN
+    stays NaN in the forward (ATen's own backward kernels disagree on NaN between their scalar and vector paths)"""
     a = ACTS[name]
     z = torch.cat([torch.linspace(-8, 8, 161, dtype=F64), torch.tensor([-3., 0., 3., 6.], dtype=F64),
                    torch.randn(99, dtype=F64) * 3]).to(dt)[:, None].repeat(1, 2).contiguous()
@@ -69,6 +70,7 @@ def test_act_formulas(name, p, dt):
     d_ref, = torch.autograd.grad(ref.sum(), zz)
     tol = dict(atol=1e-13, rtol=1e-13) if dt == F64 else dict(atol=2e-6, rtol=2e-6)
     torch.testing.assert_close(tk.fwd(z, one, zero, None, a.code, p).double(), ref.detach(), **tol)
+    assert tk.fwd(torch.full((3, 2), float('nan'), dtype=dt), one, zero, None, a.code, p).isnan().all()
     dz = tk.bwd(torch.ones_like(z), z, zero, one, one, zero, None, a.code, False, True, act_param=p)[3]
     torch.testing.assert_close(dz.double(), d_ref, **tol)
     if a.grad_from_out(p):

@@ -295,7 +295,7 @@ def fwd(x:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int, act_para
                                                          HAS_RES=res is not None, ACT=int(act), BLOCK_M=bm, BLOCK_C=bc)
     return out
 
-# %% ../nbs/20_triton_kernels.ipynb #8adc7403
+# %% ../nbs/20_triton_kernels.ipynb #e0c2ebbf
 def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int,
         training:bool, want_dres:bool, act_param:float=0., out:Tensor|None=None, want_dy:bool=True,
         dy:Tensor|None=None, dres:Tensor|None=None):
@@ -326,8 +326,7 @@ def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift
                 g, xx, mean, scale, shift, b, d, r, o, k, dy if want_dy else g, dres if want_dres else g, m, c,
                 HAS_Y=y_in_dx, HAS_RES=has_res, ACT=act, FROM_OUT=from_out, TRAINING=training, WANT_DY=want_dy,
                 WANT_DRES=want_dres, BLOCK_M=bm, BLOCK_C=bc)
-    empty = g.new_empty(0)
-    return (dy if want_dy else empty), sdz, sdx, (dres if want_dres else empty)
+    return (dy if want_dy else g.new_empty(0)), sdz, sdx, (dres if want_dres else g.new_empty(0))
 
 # %% ../nbs/20_triton_kernels.ipynb #504b98ce
 def _fmt(x:Tensor): return torch.channels_last_3d if x.dim() == 5 else torch.channels_last
@@ -375,13 +374,13 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
     fwd(yr, prm[2], prm[3], None if residual is None else _rows(_cl(residual)), act, act_param, out=orows)
     return out, (y if keep_y else y.new_empty(0)), prm
 
-# %% ../nbs/20_triton_kernels.ipynb #f9e6a8ef
+# %% ../nbs/20_triton_kernels.ipynb #65fea5bf
 def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, params:Tensor,
               residual:Tensor|None, out:Tensor|None, stride, padding, dilation, groups:int, training:bool, act:int,
               act_param:float, needs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     "`(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual)`, empty where `needs` says so: see `clfast/KERNELS.md`"
     n_dx, n_dw, n_db, n_dg, n_dbeta, n_dres = (bool(b) for b in needs)
-    n_db, n_dres = n_db and bias is not None, n_dres and residual is not None
+    n_db = n_db and bias is not None   # dresidual is wanted even when residual is not passed (the mask came from out)
     from_out = out is not None and out.numel() > 0
     want_dy = n_dx or n_dw or n_db
     # y is needed for batch statistics' backward, for dbn_weight, and to recompute z for act'
@@ -395,13 +394,13 @@ def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, 
                          None if residual is None else _rows(_cl(residual)), act, training, n_dres,
                          act_param=act_param, out=_rows(_cl(out)) if from_out else None, want_dy=want_dy,
                          dy=dyr, dres=dresr)
-    empty = dout.new_empty(0)
     dx = dw = db = None
     if want_dy:
         n = x.dim() - 2
         dx, dw, db = torch.ops.aten.convolution_backward(
             dy, _cl(x), _cl(weight), None if bias is None else [bias.shape[0]], _lst(stride, n), _lst(padding, n),
             _lst(dilation, n), False, [0] * n, groups, [n_dx, n_dw, n_db])
-    pick = lambda t, need: t if need and t is not None else empty
+    # absent results are fresh empty tensors: a custom op's outputs may not alias each other
+    pick = lambda t, need: t if need and t is not None else dout.new_empty(0)
     return (pick(dx, n_dx), pick(dw, n_dw), pick(db, n_db), pick(sdx, n_dg), pick(sdz, n_dbeta),
-            dres if n_dres else empty)
+            dres if n_dres else dout.new_empty(0))

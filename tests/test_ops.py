@@ -222,6 +222,16 @@ def test_triton_interpreted():
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     assert ' passed' in p.stdout and 'skipped' not in p.stdout
 
+def test_triton_interpreted_layer():
+    """The CUDA code path end to end on the CPU: the fused layer (every activation, residual, both modes) and a training
+    step of a fused ResNet and EfficientNet through the op's Triton backend, interpreted, against stock"""
+    pytest.importorskip('triton')
+    p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+                        str(ROOT/'tests'/'_triton_interp_layer.py')],
+                       env=_env(TRITON_INTERPRET='1', CLFAST_KERNELS='triton'), capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
+    assert ' passed' in p.stdout and 'skipped' not in p.stdout
+
 @pytest.mark.cuda
 @pytest.mark.parametrize('dt', [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize('act,p', ACT_CASES)

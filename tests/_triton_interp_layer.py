@@ -1,0 +1,64 @@
+"""The CUDA code path, end to end, on the CPU: the fused layer and whole fused models with `CLFAST_KERNELS=triton`
+under `TRITON_INTERPRET=1`, i.e. the op of `clfast.ops` dispatching to the Triton backend exactly as it does on CUDA.
+
+Not collected on its own (leading underscore): `test_ops.py::test_triton_interpreted_layer` runs it in a fresh process
+with both variables set (they must be set before the kernels are defined)."""
+import os
+assert os.environ.get('TRITON_INTERPRET') == '1' and os.environ.get('CLFAST_KERNELS') == 'triton', \
+    "run with TRITON_INTERPRET=1 CLFAST_KERNELS=triton (see test_ops.py)"
+import copy, pytest, torch
+from torch import nn
+from clfast import ops, triton_kernels
+from clfast.act import ACTS
+from clfast.fuse import fuse_conv_bn, fusion_report
+from test_fused import pair, compare, act_param
+
+def test_backend_is_triton():
+    assert ops.kernel_backend('cpu') is triton_kernels
+
+@pytest.mark.parametrize('act', list(ACTS))
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+def test_layer(act, mode):
+    "Every activation, with and without a residual, both modes: forward, backward, running stats vs fp64 stock"
+    torch.manual_seed(0)
+    for res in (True, False):
+        f, conv, bn = pair(5, 6, act=act, mode=mode)
+        x = torch.randn(2, 5, 6, 6).to(memory_format=torch.channels_last)
+        compare(f, conv, bn, x, torch.randn(2, 6, 6, 6) if res else None, act)
+
+def _train_step_matches(make, x, **tol):
+    """A training step of the fused model equals the stock one: outputs, every gradient, running stats. In fp64: a
+    random-init network in training mode amplifies rounding (late BNs normalise a handful of values), so fp32 against
+    fp32 would compare two roundings; fp64 compares the computations."""
+    torch.manual_seed(0)
+    stock = make().double()
+    fused = fuse_conv_bn(copy.deepcopy(stock))
+    assert fusion_report(fused).fused, "nothing fused"
+    for m in (stock, fused): m.train()
+    outs, grads = [], []
+    for m in (stock, fused):
+        m.zero_grad()
+        out = m(x)
+        out.square().mean().backward()
+        outs.append(out.detach()); grads.append({n: p.grad for n, p in m.named_parameters()})
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-9, atol=1e-9)
+    # gradients by relative norm: a max-pool window with two maxima equal to the last bits routes its gradient to
+    # either one, a rounding-level difference that moves whole gradient entries (seen on resnet18's stem, fp64)
+    for n in grads[0]:
+        err = (grads[1][n] - grads[0][n]).norm() / grads[0][n].norm().clamp_min(1e-30)
+        assert err < tol['rtol'], f"{n}: gradient differs by {err:.2e} of its norm"
+    sa, sb = stock.state_dict(), fused.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa: torch.testing.assert_close(sb[k], sa[k], rtol=1e-9, atol=1e-9, msg=k)
+
+def test_resnet_step():
+    import torchvision
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64).to(memory_format=torch.channels_last)
+    _train_step_matches(lambda: torchvision.models.resnet18(num_classes=4).to(memory_format=torch.channels_last), x,
+                        rtol=1e-5)
+
+def test_efficientnet_step():
+    import timm
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64).to(memory_format=torch.channels_last)
+    _train_step_matches(lambda: timm.create_model('efficientnet_b0', num_classes=4).to(memory_format=torch.channels_last),
+                        x, rtol=1e-5)

@@ -4,7 +4,7 @@ Every ratio is measured side by side in one run (variants interleaved round by r
 machine is noisy. Wrap runs in `flock /tmp/clfast-cpu.lock` so they never overlap other benchmarks:
 
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py                  # all CPU sections (+ GPU if present)
-    flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections memory train
+    flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections train --models resnet50 efficientnet_b0
 """
 from __future__ import annotations
 import argparse, copy, statistics, sys, time
@@ -16,9 +16,16 @@ from clfast.fuse import fuse_conv_bn, fold_conv_bn, fusion_report
 
 MiB = 2**20
 
-def timm_resnet50(): return timm.create_model('resnet50', pretrained=False)
+def make_model(name:str) -> nn.Module:
+    "A timm model (random init), as the fused conv-BN v2 issue measures them: resnet50, efficientnet_b0, ..."
+    return timm.create_model(name, pretrained=False)
 
 def cl(m): return m.to(memory_format=torch.channels_last)
+
+def cpu_has_native_bf16() -> bool:
+    "oneDNN runs bf16 natively (AVX512-BF16 or AMX); elsewhere bf16 is emulated and not worth timing"
+    from clfast.amp import cpu_native_dtypes
+    return torch.bfloat16 in cpu_native_dtypes()
 
 def saved_bytes(model, x):
     "Bytes of the unique storages autograd saves for backward during one forward (parameters counted apart)"
@@ -59,70 +66,66 @@ def train_step_fn(model, x, dev='cpu', amp=None):
         if dev == 'cuda': torch.cuda.synchronize()
     return f
 
-def section_memory(args):
-    print(f"\n## CPU memory: timm resnet50, batch {args.bs}, {args.px} px, fp32, channels-last, train mode")
-    torch.manual_seed(0)
-    x = torch.randn(args.bs, 3, args.px, args.px).to(memory_format=torch.channels_last)
-    models = {'stock': cl(timm_resnet50())}
-    for mode in ('speed', 'memory'): models[mode] = fuse_conv_bn(copy.deepcopy(models['stock']), mode)
-    r = fusion_report(models['memory'])
-    print(f"fused {len(r.fused)} (incl. blocks), skipped {len(r.skipped)}: {r.skipped[:3]}")
-    base = None
-    for k, m in models.items():
-        act, par = saved_bytes(m, x)
-        base = base or act
-        print(f"saved activations {k:>7}: {act/MiB:8.1f} MiB ({act/base:6.1%} of stock)   [+ {par/MiB:.1f} MiB parameters]")
-    times = medians(interleaved({k: train_step_fn(m, x) for k, m in models.items()}, args.rounds))
-    for k, t in times.items():
-        print(f"train step {k:>7}: {t*1000:8.1f} ms   ratio stock/{k} = {times['stock']/t:.3f}  ({k}/stock = {t/times['stock']:.3f}x time)")
-
 def section_train(args):
-    print(f"\n## CPU training step: torchvision resnet50, batch {args.bs}, {args.px} px, fp32, channels-last")
-    torch.manual_seed(0)
-    x = torch.randn(args.bs, 3, args.px, args.px).to(memory_format=torch.channels_last)
-    stock = cl(torchvision.models.resnet50())
-    models = {'stock_cl': stock, 'fused_speed': fuse_conv_bn(copy.deepcopy(stock), 'speed')}
-    for amp in ([None, torch.bfloat16] if args.cpu_bf16 else [None]):
-        raw = interleaved({k: train_step_fn(m, x, amp=amp) for k, m in models.items()}, args.rounds, warmup=2)
-        times = medians(raw)
-        print(f"  {'bf16 autocast' if amp else 'fp32'}:")
-        for k, t in times.items(): print(f"train step {k:>12}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}")
-        print("  " + paired_ratios(raw, 'stock_cl', 'fused_speed'))
+    "fuse='speed' and 'memory' against stock channels-last: step time (fp32, and bf16 autocast where native), saved activations"
+    amps = [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
+    for name in args.models:
+        print(f"\n## CPU training step: timm {name}, batch {args.bs}, {args.px} px, channels-last, train mode")
+        torch.manual_seed(0)
+        x = torch.randn(args.bs, 3, args.px, args.px).to(memory_format=torch.channels_last)
+        models = {'stock_cl': cl(make_model(name))}
+        for mode in ('speed', 'memory'): models[mode] = fuse_conv_bn(copy.deepcopy(models['stock_cl']), mode)
+        r = fusion_report(models['speed'])
+        bns = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in models['stock_cl'].modules())
+        print(f"fusion: {len(r.fused)} fused entries, {len(r.skipped)} skipped, of {bns} BN layers")
+        base = None
+        for k, m in models.items():
+            act, par = saved_bytes(m, x)
+            base = base or act
+            print(f"saved activations {k:>8}: {act/MiB:8.1f} MiB ({act/base:6.1%} of stock_cl)")
+        for amp in amps:
+            raw = interleaved({k: train_step_fn(m, x, amp=amp) for k, m in models.items()}, args.rounds, warmup=2)
+            times = medians(raw)
+            print(f"  {'bf16 autocast' if amp else 'fp32'}:")
+            for k, t in times.items():
+                print(f"train step {k:>8}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}")
+            for k in ('speed', 'memory'): print("  " + paired_ratios(raw, 'stock_cl', k))
 
 def section_infer(args):
-    print(f"\n## CPU inference: torchvision resnet50, batch {args.bs}, {args.px} px, fp32, eval, no_grad")
-    torch.manual_seed(0)
-    stock = torchvision.models.resnet50().eval()
-    x = torch.randn(args.bs, 3, args.px, args.px)
-    xcl = x.to(memory_format=torch.channels_last)
-    t = time.perf_counter(); folded = cl(fold_conv_bn(stock)); t_fold = time.perf_counter() - t
-    folded_plain = cl(fold_conv_bn(stock, onednn=False))
-    stock_cl = cl(copy.deepcopy(stock))
-    variants = {'stock_contiguous': (stock, x), 'stock_cl': (stock_cl, xcl),
-                'fold_cl_onednn': (folded, xcl), 'fold_cl_plain': (folded_plain, xcl)}
-    if not args.no_compile:
-        if not args.warm_compile:  # time a cold compile, as a first run sees it, not one served from inductor's cache
-            import torch._inductor.config as icfg
-            icfg.force_disable_caches = True
-        compiled = torch.compile(copy.deepcopy(stock_cl))
-        t = time.perf_counter()
-        with torch.no_grad(): compiled(xcl)
-        t_compile = time.perf_counter() - t
-        variants['compile_cl'] = (compiled, xcl)
-        print(f"torch.compile first call (compile) time: {t_compile:.1f} s;  fold_conv_bn time: {t_fold:.2f} s")
-    def run(m, inp):
-        def f():
-            with torch.no_grad(): m(inp)
-        return f
-    with torch.no_grad():
-        ref = stock(x)
-        for k, (m, inp) in variants.items():
-            err = (m(inp) - ref).abs().max().item()
-            print(f"  {k:>16} max |diff| vs stock: {err:.2e}")
-    times = medians(interleaved({k: run(*v) for k, v in variants.items()}, args.rounds * 2, warmup=2))
-    for k, t in times.items():
-        print(f"inference {k:>16}: {t*1000:8.1f} ms   speedup vs stock_contiguous = {times['stock_contiguous']/t:.3f}"
-              + (f"   vs compile_cl = {times['compile_cl']/t:.3f}" if 'compile_cl' in times else ''))
+    "fold_conv_bn + channels-last (oneDNN) against stock and torch.compile (inductor), fp32 and bf16 autocast"
+    amps = [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
+    if not args.warm_compile:  # time a cold compile, as a first run sees it, not one served from inductor's cache
+        import torch._inductor.config as icfg
+        icfg.force_disable_caches = True
+    for name in args.models:
+        torch.manual_seed(0)
+        stock = make_model(name).eval()
+        x = torch.randn(args.bs, 3, args.px, args.px)
+        xcl = x.to(memory_format=torch.channels_last)
+        t = time.perf_counter(); folded = cl(fold_conv_bn(stock)); t_fold = time.perf_counter() - t
+        stock_cl = cl(copy.deepcopy(stock))
+        for amp in amps:
+            print(f"\n## CPU inference: timm {name}, batch {args.bs}, {args.px} px, eval, no_grad, "
+                  f"{'bf16 autocast' if amp else 'fp32'}")
+            variants = {'stock_contiguous': (stock, x), 'stock_cl': (stock_cl, xcl), 'fold_cl': (folded, xcl)}
+            def run(m, inp):
+                def f():
+                    with torch.no_grad(), torch.autocast('cpu', dtype=amp or torch.bfloat16, enabled=amp is not None): m(inp)
+                return f
+            if not args.no_compile:
+                torch._dynamo.reset()
+                compiled = torch.compile(copy.deepcopy(stock_cl))
+                t = time.perf_counter(); run(compiled, xcl)(); t_compile = time.perf_counter() - t
+                variants['compile_cl'] = (compiled, xcl)
+                print(f"torch.compile first call (compile) time: {t_compile:.1f} s;  fold_conv_bn time: {t_fold:.2f} s")
+            with torch.no_grad(), torch.autocast('cpu', dtype=amp or torch.bfloat16, enabled=amp is not None):
+                ref = stock(x).float()
+                for k, (m, inp) in variants.items():
+                    print(f"  {k:>16} max |diff| vs stock: {(m(inp).float() - ref).abs().max().item():.2e}")
+            times = medians(interleaved({k: run(*v) for k, v in variants.items()}, args.rounds * 2, warmup=2))
+            for k, t in times.items():
+                print(f"inference {k:>16}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}"
+                      + (f"   vs compile_cl = {times['compile_cl']/t:.3f}" if 'compile_cl' in times else ''))
 
 def section_gpu(args):
     if not torch.cuda.is_available():
@@ -153,15 +156,16 @@ def section_gpu(args):
         print(f"{k:>15}: {bs/t:8.0f} img/s  speedup vs contiguous_amp = {res['contiguous_amp'][0]/t:.3f}  "
               f"peak {mem:.2f} GiB  (first 2 steps {warm:.1f} s)")
 
-SECTIONS = {'memory': section_memory, 'train': section_train, 'infer': section_infer, 'gpu': section_gpu}
+SECTIONS = {'train': section_train, 'infer': section_infer, 'gpu': section_gpu}
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=list(SECTIONS))
-    p.add_argument('--bs', type=int, default=8); p.add_argument('--px', type=int, default=160)
+    p.add_argument('--models', nargs='+', default=['resnet50', 'efficientnet_b0'], help='timm model names')
+    p.add_argument('--bs', type=int, default=16); p.add_argument('--px', type=int, default=160)
     p.add_argument('--rounds', type=int, default=5)
     p.add_argument('--no-compile', action='store_true', help='skip the torch.compile variants')
-    p.add_argument('--cpu-bf16', action='store_true', help='train section: also time bf16 autocast')
+    p.add_argument('--cpu-bf16', action='store_true', help='also time bf16 autocast where the CPU has no native bf16')
     p.add_argument('--warm-compile', action='store_true', help="let torch.compile use inductor's on-disk cache")
     p.add_argument('--gpu-bs', type=int, default=256); p.add_argument('--gpu-dtype', default='float16')
     args = p.parse_args(argv)

@@ -9,4 +9,5 @@ from .fuse import *
 from .guard import *
 from .check import conv_geometries, check_geometries, check_channelslast
 from .finder import Setup, measure_setups, best_setup, bench_model, plot_setups
-from .ops import bn_stats, bn_act_fwd, bn_act_bwd
+from .act import ACTS, act_of, get_act
+from .ops import fused_conv_bn, register_backend, kernel_backend

@@ -154,23 +154,35 @@ def _(x, weight, bias, bn_weight, bn_bias, residual, mean, var, stride, padding,
     return torch.empty_like(y), (y if keep_y else _empty(y)), y.new_empty(len(PARAM_ROWS), y.shape[1],
                                                                           dtype=acc_dtype(y.dtype))
 
-# %% ../nbs/21_ops.ipynb #eddaaca5
+# %% ../nbs/21_ops.ipynb #e8c93d5f
+def _layout(t:Tensor) -> torch.memory_format:
+    "channels_last if `t` is laid out so (and not also contiguous), else contiguous_format"
+    cl = t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+    return torch.channels_last if cl else torch.contiguous_format
+
+def _layout_like(g:Tensor, t:Tensor) -> Tensor:
+    """`g` in `t`'s layout. ATen's CPU conv backward may return a channels-last weight gradient for a contiguous
+    weight while its meta function says otherwise; the op states one rule, its inputs' layouts."""
+    return g if g.numel() == 0 else g.contiguous(memory_format=_layout(t))
+
+#| export
 @torch.library.custom_op("clfast::conv_bn_act_backward", mutates_args=())
 def conv_bn_act_backward_op(dout:Tensor, x:Tensor, weight:Tensor, bias:Optional[Tensor], y:Tensor, params:Tensor,
                             residual:Optional[Tensor], out:Tensor, stride:list[int], padding:list[int],
                             dilation:list[int], groups:int, training:bool, act:int, act_param:float,
                             needs:list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     "`(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual)`; empty where not needed"
-    return kernel_backend(x.device.type).layer_bwd(dout, x, weight, bias, y, params, residual, out, stride, padding,
-                                                   dilation, groups, training, act, act_param, needs)
+    dx, dw, *rest = kernel_backend(x.device.type).layer_bwd(dout, x, weight, bias, y, params, residual, out, stride,
+                                                            padding, dilation, groups, training, act, act_param, needs)
+    return (_layout_like(dx, x), _layout_like(dw, weight), *rest)
 
 @conv_bn_act_backward_op.register_fake
 def _(dout, x, weight, bias, y, params, residual, out, stride, padding, dilation, groups, training, act, act_param,
       needs):
-    e = _empty(params)
-    pick = lambda need, t: torch.empty_like(t) if need else e
-    return (pick(needs[0], x), pick(needs[1], weight), pick(needs[2] and bias is not None, weight.new_empty(weight.shape[0])),
-            pick(needs[3], params[0]), pick(needs[4], params[0]), pick(needs[5], dout))
+    pick = lambda need, t: torch.empty_like(t, memory_format=_layout(t)) if need else _empty(params)
+    return (pick(needs[0], x), pick(needs[1], weight), pick(needs[2] and bias is not None, params[0].to(weight.dtype)),
+            pick(needs[3], params[0]), pick(needs[4], params[0]),
+            torch.empty_like(dout, memory_format=torch.channels_last) if needs[5] else _empty(params))
 
 # %% ../nbs/21_ops.ipynb #d0ab561f
 def _setup_context(ctx, inputs, output):

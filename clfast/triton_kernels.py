@@ -374,7 +374,7 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
     fwd(yr, prm[2], prm[3], None if residual is None else _rows(_cl(residual)), act, act_param, out=orows)
     return out, (y if keep_y else y.new_empty(0)), prm
 
-# %% ../nbs/20_triton_kernels.ipynb #65fea5bf
+# %% ../nbs/20_triton_kernels.ipynb #4c03bafe
 def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, params:Tensor,
               residual:Tensor|None, out:Tensor|None, stride, padding, dilation, groups:int, training:bool, act:int,
               act_param:float, needs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -397,8 +397,9 @@ def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, 
     dx = dw = db = None
     if want_dy:
         n = x.dim() - 2
+        # x and weight as given: the gradients' layouts are then ATen's, which the op's fake implementation states
         dx, dw, db = torch.ops.aten.convolution_backward(
-            dy, _cl(x), _cl(weight), None if bias is None else [bias.shape[0]], _lst(stride, n), _lst(padding, n),
+            dy, x, weight, None if bias is None else [bias.shape[0]], _lst(stride, n), _lst(padding, n),
             _lst(dilation, n), False, [0] * n, groups, [n_dx, n_dw, n_db])
     # absent results are fresh empty tensors: a custom op's outputs may not alias each other
     pick = lambda t, need: t if need and t is not None else dout.new_empty(0)

@@ -16,7 +16,8 @@ ACT_CASES = [(n, 0.) for n in ACTS if n != 'leaky_relu'] + [('leaky_relu', 0.1),
 ACT_IDS = [f"{n}{p:g}" if n == 'leaky_relu' else n for n, p in ACT_CASES]
 DTYPES = [torch.float64, torch.float32, torch.bfloat16]
 # max |got - want| / max |want|: outputs, then gradients (bf16: the kernels' outputs and dy are rounded to bf16)
-TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-4, 1e-3), torch.bfloat16: (1e-2, 3e-2)}
+TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-4, 1e-3), torch.bfloat16: (1e-2, 3e-2),
+       torch.float16: (3e-3, 1e-2)}
 EPS = 1e-5
 CL = torch.channels_last
 
@@ -111,6 +112,12 @@ def test_layer(k, name, p, bias, affine, residual, training, dtype):
     # the derivative read from out is exactly the recomputed one; y kept or recomputed is the same conv
     for way in ways:
         for n, a, b in zip(names, ways['keep_y'], ways[way]): assert torch.equal(a, b), f"{way} {n} != keep_y's"
+
+@pytest.mark.parametrize('training', [True, False], ids=['train', 'eval'])
+@pytest.mark.parametrize('name,p', [('relu', 0.), ('silu', 0.), ('leaky_relu', -0.2)], ids=['relu', 'silu', 'leaky-0.2'])
+def test_layer_fp16(k, name, p, training):
+    "fp16 runs the same templates as bf16: a few cases"
+    test_layer(k, name, p, True, True, True, training, torch.float16)
 
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)

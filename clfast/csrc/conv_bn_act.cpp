@@ -118,7 +118,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
   const Tensor g = channels_last(dout);
   const bool from_out = out.defined() && out.numel() > 0;
   const Tensor o = from_out ? channels_last(out) : Tensor();
-  const Tensor res = !from_out && given(residual) ? channels_last(*residual) : Tensor();
+  // the residual only enters the recomputed z of an activation
+  const Tensor res = !from_out && act != clfast_cpu::act::kNone && given(residual) ? channels_last(*residual) : Tensor();
   const char* pp = static_cast<const char*>(params.const_data_ptr());
   const size_t row = size_t(c) * params.element_size();
   clfast_cpu::BwdArgs a{pp, pp + row, pp + 2 * row, pp + 3 * row};

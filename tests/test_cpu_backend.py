@@ -9,7 +9,12 @@ from clfast.act import ACTS
 pytestmark = pytest.mark.skipif(bool(cpu_kernels.missing_toolchain()), reason=str(cpu_kernels.missing_toolchain()))
 
 @pytest.fixture(scope='module')
-def k(): return cpu_kernels.load()
+def k():
+    "The backend, run on one thread: these shapes are tiny, and on a busy machine waking a thread pool per op costs far more than the work"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield cpu_kernels.load()
+    torch.set_num_threads(n)
 
 # every activation; leaky_relu with a positive and a negative slope
 ACT_CASES = [(n, 0.) for n in ACTS if n != 'leaky_relu'] + [('leaky_relu', 0.1), ('leaky_relu', -0.2)]
@@ -188,3 +193,22 @@ def test_errors(k):
     out, y, params = k.layer_fwd(x, w, None, None, None, None, None, None, *geom, EPS, 3, -0.2, True)
     with pytest.raises(RuntimeError, match='cannot be read from its output'):
         k.layer_bwd(torch.randn_like(out), x, w, None, y, params, None, out, *geom, True, 3, -0.2, [True] * 6)
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=str)
+def test_thread_count_independent(k, dtype):
+    "The row partition of the sums is fixed: every result is bitwise the same on 1 and 3 threads (an exact depthwise 1x1 conv of ones, so only the kernels' sums can differ)"
+    N, C, H = 4, 24, 24                                    # big enough that the sums and passes run in parallel
+    x = torch.randn(N, C, H, H).to(dtype).to(memory_format=CL)
+    w = torch.ones(C, 1, 1, 1, dtype=dtype)
+    r, dout = torch.randn_like(x), torch.randn_like(x)
+    g, beta = torch.rand(C) + 0.5, torch.randn(C)
+    geom = ([1, 1], [0, 0], [1, 1], C)
+    def run():
+        out, y, params = k.layer_fwd(x, w, None, g, beta, r, None, None, *geom, EPS, ACTS['silu'].code, 0., True)
+        return (out, params) + tuple(k.layer_bwd(dout, x, w, None, y, params, r, torch.empty(0, dtype=dtype), *geom,
+                                                 True, ACTS['silu'].code, 0., [True, False, False, True, True, True]))
+    one = run()
+    torch.set_num_threads(3)
+    try: three = run()
+    finally: torch.set_num_threads(1)
+    for i, (a, b) in enumerate(zip(one, three)): assert torch.equal(a, b), f"result {i} depends on the thread count"

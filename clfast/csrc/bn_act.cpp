@@ -43,7 +43,9 @@ template <typename opmath_t, typename Body>
 void chunked_sums(int64_t m, int64_t c, std::vector<double>& s1, std::vector<double>& s2, const Body& body) {
   const int64_t nch = num_chunks(m, c), per = (m + nch - 1) / nch;
   std::vector<double> part1(nch * c, 0.0), part2(nch * c, 0.0);
-  at::parallel_for(0, nch, 1, [&](int64_t cb, int64_t ce) {
+  // small inputs sum inline: waking the thread pool costs more than the work (the partition stays the same)
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(per * c, 1));
+  at::parallel_for(0, nch, grain, [&](int64_t cb, int64_t ce) {
     std::vector<opmath_t> a(c), b(c);
     for (int64_t ch = cb; ch < ce; ++ch) {
       double* __restrict__ p1 = part1.data() + ch * c;

@@ -1,26 +1,25 @@
-// CPU kernels for the elementwise/statistics half of fused conv-BN(-ReLU)(+add).
+// CPU kernels for the elementwise/statistics half of a fused layer, act(bn(y) [+ residual]) (act: act.h).
 // Every tensor is read as a row-major [M, C] matrix: a contiguous [M, C] tensor, or the memory of a channels-last
 // N,C,H,W (or N,C,D,H,W) tensor. Loops run over rows in parallel (at::parallel_for) and over C innermost, where the
 // compiler vectorizes them. fp16/bf16 accumulate in fp32 blocks of rows that are summed in fp64; fp64 input
 // accumulates in fp64. Per-channel arrays are in opmath (float; double for double tensors).
 // The kernels make no tensor-op calls (no dispatcher round trips): conv_bn_act.cpp runs a whole layer around them.
+// Each loop is instantiated per dtype, activation, mask kind and residual (the switches sit outside the loops).
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <algorithm>
 #include <cmath>
-#include <optional>
-#include <tuple>
 #include <vector>
+#include "act.h"
 #include "bn_act.h"
 
 using at::Tensor;
 using clfast_cpu::BwdArgs;
 using clfast_cpu::Mask;
 using clfast_cpu::is_rows;
+namespace act = clfast_cpu::act;
 
 namespace {
 
@@ -44,7 +43,9 @@ template <typename opmath_t, typename Body>
 void chunked_sums(int64_t m, int64_t c, std::vector<double>& s1, std::vector<double>& s2, const Body& body) {
   const int64_t nch = num_chunks(m, c), per = (m + nch - 1) / nch;
   std::vector<double> part1(nch * c, 0.0), part2(nch * c, 0.0);
-  at::parallel_for(0, nch, 1, [&](int64_t cb, int64_t ce) {
+  // small inputs sum inline: waking the thread pool costs more than the work (the partition stays the same)
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(per * c, 1));
+  at::parallel_for(0, nch, grain, [&](int64_t cb, int64_t ce) {
     std::vector<opmath_t> a(c), b(c);
     for (int64_t ch = cb; ch < ce; ++ch) {
       double* __restrict__ p1 = part1.data() + ch * c;
@@ -86,51 +87,47 @@ void stats_impl(const scalar_t* xp, int64_t m, int64_t c, double* mean, double* 
   }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, int A, bool R>
 void normalize_impl(const scalar_t* xp, int64_t m, int64_t c, const at::opmath_type<scalar_t>* sc,
-                    const at::opmath_type<scalar_t>* sh, const scalar_t* rp, bool relu, scalar_t* op) {
+                    const at::opmath_type<scalar_t>* sh, const scalar_t* rp, double act_param, scalar_t* op) {
   using opmath_t = at::opmath_type<scalar_t>;
+  const opmath_t p = opmath_t(act_param);
   at::parallel_for(0, m, row_grain(c), [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
       const scalar_t* __restrict__ xr = xp + r * c;
+      const scalar_t* __restrict__ rr = R ? rp + r * c : nullptr;
       scalar_t* __restrict__ o = op + r * c;
-      if (rp) {
-        const scalar_t* __restrict__ rr = rp + r * c;
-        if (relu) for (int64_t j = 0; j < c; ++j) {
-          const opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j] + opmath_t(rr[j]);
-          o[j] = scalar_t(z > opmath_t(0) ? z : opmath_t(0));
-        } else for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(opmath_t(xr[j]) * sc[j] + sh[j] + opmath_t(rr[j]));
-      } else {
-        if (relu) for (int64_t j = 0; j < c; ++j) {
-          const opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j];
-          o[j] = scalar_t(z > opmath_t(0) ? z : opmath_t(0));
-        } else for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(opmath_t(xr[j]) * sc[j] + sh[j]);
+      for (int64_t j = 0; j < c; ++j) {
+        opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j];
+        if constexpr (R) z += opmath_t(rr[j]);
+        o[j] = scalar_t(act::f<A>(z, p));
       }
     }
   });
 }
 
-// The masked gradient dz at element j of a row, the mask kind fixed at compile time so every loop vectorizes
-template <typename scalar_t, Mask M, bool R>
+// The gradient dz at element j of a row, the mask kind and activation fixed at compile time so every loop vectorizes
+template <typename scalar_t, Mask M, int A, bool R>
 struct Rows {
   using opmath_t = at::opmath_type<scalar_t>;
   const scalar_t *g, *x, *res, *out;
   const opmath_t *sc, *sh;
+  opmath_t p;
   inline opmath_t dz(int64_t j) const {
     const opmath_t gj = opmath_t(g[j]);
     if constexpr (M == Mask::none) return gj;
-    else if constexpr (M == Mask::from_out) return opmath_t(out[j]) > opmath_t(0) ? gj : opmath_t(0);
+    else if constexpr (M == Mask::from_out) return act::grad_out<A>(gj, opmath_t(out[j]), p);
     else {
       opmath_t z = opmath_t(x[j]) * sc[j] + sh[j];
       if constexpr (R) z += opmath_t(res[j]);
-      return z > opmath_t(0) ? gj : opmath_t(0);
+      return act::grad<A>(gj, z, p);
     }
   }
 };
 
-// Pass 1 (training, or sums asked for): s1 = sum(dz), s2 = sum(dz*(x-mean)). Pass 2: dy = dz*A + (x-mean)*B + D with
-// A = scale and, in training, B = -scale*invstd^2*s2/M, D = -scale*s1/M; dres = dz where asked.
-template <typename scalar_t, Mask M, bool R>
+// Pass 1 (training, or sums asked for): s1 = sum(dz), s2 = sum(dz*(x-mean)). Pass 2 (dy or dres asked for):
+// dy = dz*A + (x-mean)*B + D with A = scale and, in training, B = -scale*invstd^2*s2/M, D = -scale*s1/M; dres = dz.
+template <typename scalar_t, Mask M, int A, bool R>
 void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, const scalar_t* op, int64_t m,
                    int64_t c, const BwdArgs& a, scalar_t* dyp, scalar_t* drp) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -138,12 +135,14 @@ void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, c
   const opmath_t* __restrict__ is = static_cast<const opmath_t*>(a.invstd);
   const opmath_t* __restrict__ sc = static_cast<const opmath_t*>(a.scale);
   const opmath_t* __restrict__ sh = static_cast<const opmath_t*>(a.shift);
+  const opmath_t p = opmath_t(a.act_param);
   auto row = [&](int64_t r) {
     const int64_t o = r * c;
-    return Rows<scalar_t, M, R>{gp + o, xp + o, rp ? rp + o : nullptr, op ? op + o : nullptr, sc, sh};
+    return Rows<scalar_t, M, A, R>{gp + o, xp + o, rp ? rp + o : nullptr, op ? op + o : nullptr, sc, sh, p};
   };
+  const bool sums = (a.training && dyp) || a.sum_dz || a.sum_dzx;
   std::vector<double> s1(c, 0.0), s2(c, 0.0);
-  if (a.training || a.sum_dz || a.sum_dzx)
+  if (sums)
     chunked_sums<opmath_t>(m, c, s1, s2, [&](int64_t r, opmath_t* __restrict__ ac, opmath_t* __restrict__ bc) {
       const auto rw = row(r);
       for (int64_t j = 0; j < c; ++j) {
@@ -160,16 +159,28 @@ void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, c
       D[j] = opmath_t(-double(sc[j]) * s1[j] / double(m));
     }
   }
+  if (!dyp && !drp) return;
   const opmath_t* __restrict__ Bp = B.data();
   const opmath_t* __restrict__ Dp = D.data();
+  const bool train = a.training;
   at::parallel_for(0, m, row_grain(c), [&](int64_t rb, int64_t re) {
+    std::vector<opmath_t> buf(dyp && drp ? c : 0);  // dz of one row (in L1), when both dy and dres are written
+    opmath_t* __restrict__ dzb = buf.data();
     for (int64_t r = rb; r < re; ++r) {
       const auto rw = row(r);
-      scalar_t* __restrict__ o = dyp + r * c;
-      for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(rw.dz(j) * sc[j] + (opmath_t(rw.x[j]) - mu[j]) * Bp[j] + Dp[j]);
-      if (drp) {  // a second sweep over the row (in L1) keeps both loops vectorized
-        scalar_t* __restrict__ d = drp + r * c;
-        for (int64_t j = 0; j < c; ++j) d[j] = scalar_t(rw.dz(j));  // exact: dout or 0
+      scalar_t* __restrict__ o = dyp ? dyp + r * c : nullptr;
+      scalar_t* __restrict__ d = drp ? drp + r * c : nullptr;
+      // (given statistics: dy = dz*scale alone, so an infinite x does not turn dy into inf*0)
+      if (dyp && drp) {  // dz once (it may cost an exp), then two vectorized sweeps
+        for (int64_t j = 0; j < c; ++j) dzb[j] = rw.dz(j);
+        for (int64_t j = 0; j < c; ++j) d[j] = scalar_t(dzb[j]);
+        if (train) for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(dzb[j] * sc[j] + (opmath_t(rw.x[j]) - mu[j]) * Bp[j] + Dp[j]);
+        else for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(dzb[j] * sc[j]);
+      } else if (dyp) {
+        if (train) for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(rw.dz(j) * sc[j] + (opmath_t(rw.x[j]) - mu[j]) * Bp[j] + Dp[j]);
+        else for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(rw.dz(j) * sc[j]);
+      } else {
+        for (int64_t j = 0; j < c; ++j) d[j] = scalar_t(rw.dz(j));
       }
     }
   });
@@ -180,18 +191,6 @@ void check_rows(const Tensor& t, const Tensor& like, int64_t c, const char* name
   TORCH_CHECK(is_rows(t) && t.numel() == like.numel() && t.size(1) == c &&
               t.scalar_type() == like.scalar_type(), "clfast_cpu: ", name, " must be a row-major [M, C] matrix "
               "(contiguous 2D or channels-last) of x's size and dtype");
-}
-
-at::ScalarType acc_type(at::ScalarType st) { return st == at::kDouble ? at::kDouble : at::kFloat; }
-
-void check_vec(const Tensor& t, int64_t c, at::ScalarType acc, const char* name) {
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == c && t.is_contiguous() && t.scalar_type() == acc,
-              "clfast_cpu: ", name, " must be a contiguous [C] vector of the accumulation dtype");
-}
-
-void check_matrix(const Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.device().is_cpu(),
-              "clfast_cpu: ", name, " must be a contiguous [M, C] matrix on the CPU");
 }
 
 }  // namespace
@@ -216,95 +215,61 @@ void stats(const Tensor& x, int64_t c, double* mean, double* var) {
   });
 }
 
-void normalize(const Tensor& x, int64_t c, const void* scale, const void* shift, const Tensor* res, bool relu,
-               Tensor& out) {
+void normalize(const Tensor& x, int64_t c, const void* scale, const void* shift, const Tensor* res, int64_t act_code,
+               double act_param, Tensor& out) {
   check_rows(x, x, c, "x");
   check_rows(out, x, c, "out");
   if (res) check_rows(*res, x, c, "res");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clfast_cpu_normalize", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
-    normalize_impl(x.const_data_ptr<scalar_t>(), x.numel() / c, c, static_cast<const opmath_t*>(scale),
-                   static_cast<const opmath_t*>(shift), res ? res->const_data_ptr<scalar_t>() : nullptr, relu,
-                   out.data_ptr<scalar_t>());
+    const scalar_t* xp = x.const_data_ptr<scalar_t>();
+    const scalar_t* rp = res ? res->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const auto* sc = static_cast<const opmath_t*>(scale);
+    const auto* sh = static_cast<const opmath_t*>(shift);
+    const int64_t m = x.numel() / c;
+    act::dispatch(act_code, [&](auto a) {
+      constexpr int A = decltype(a)::value;
+      if (rp) normalize_impl<scalar_t, A, true>(xp, m, c, sc, sh, rp, act_param, op);
+      else normalize_impl<scalar_t, A, false>(xp, m, c, sc, sh, rp, act_param, op);
+    });
   });
 }
 
-void backward(const Tensor& dout, const Tensor& x, int64_t c, const BwdArgs& a, Tensor& dy) {
+void backward(const Tensor& dout, const Tensor& x, int64_t c, const BwdArgs& a) {
   check_rows(x, x, c, "x");
   check_rows(dout, x, c, "dout");
-  check_rows(dy, x, c, "dy");
+  if (a.dy) check_rows(*a.dy, x, c, "dy");
   if (a.dres) check_rows(*a.dres, x, c, "dres");
   TORCH_CHECK(a.mask != Mask::from_out || a.out, "clfast_cpu: Mask::from_out needs out");
+  TORCH_CHECK(a.mask != Mask::from_out || act::grad_from_out(a.act, a.act_param),
+              "clfast_cpu: the derivative of activation ", a.act, " (param ", a.act_param,
+              ") cannot be read from its output");
   if (a.out) check_rows(*a.out, x, c, "out");
   if (a.res) check_rows(*a.res, x, c, "res");
-  const bool with_res = a.mask == Mask::recompute && a.res;
+  const Mask mask = a.act == act::kNone ? Mask::none : a.mask;
+  const bool with_res = mask == Mask::recompute && a.res;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "clfast_cpu_backward", [&] {
     const scalar_t* gp = dout.const_data_ptr<scalar_t>();
     const scalar_t* xp = x.const_data_ptr<scalar_t>();
     const scalar_t* rp = with_res ? a.res->const_data_ptr<scalar_t>() : nullptr;
-    const scalar_t* op = a.mask == Mask::from_out ? a.out->const_data_ptr<scalar_t>() : nullptr;
-    scalar_t* dyp = dy.data_ptr<scalar_t>();
+    const scalar_t* op = mask == Mask::from_out ? a.out->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* dyp = a.dy ? a.dy->data_ptr<scalar_t>() : nullptr;
     scalar_t* drp = a.dres ? a.dres->data_ptr<scalar_t>() : nullptr;
     const int64_t m = x.numel() / c;
-    switch (a.mask) {
-      case Mask::none: backward_impl<scalar_t, Mask::none, false>(gp, xp, rp, op, m, c, a, dyp, drp); break;
-      case Mask::from_out: backward_impl<scalar_t, Mask::from_out, false>(gp, xp, rp, op, m, c, a, dyp, drp); break;
-      case Mask::recompute:
-        if (with_res) backward_impl<scalar_t, Mask::recompute, true>(gp, xp, rp, op, m, c, a, dyp, drp);
-        else backward_impl<scalar_t, Mask::recompute, false>(gp, xp, rp, op, m, c, a, dyp, drp);
-        break;
+    if (mask == Mask::none) {
+      backward_impl<scalar_t, Mask::none, act::kNone, false>(gp, xp, rp, op, m, c, a, dyp, drp);
+      return;
     }
+    act::dispatch(a.act, [&](auto ac) {
+      constexpr int A = decltype(ac)::value;
+      if (mask == Mask::from_out) {
+        if constexpr (act::has_grad_from_out<A>())
+          backward_impl<scalar_t, Mask::from_out, A, false>(gp, xp, rp, op, m, c, a, dyp, drp);
+      } else if (with_res) backward_impl<scalar_t, Mask::recompute, A, true>(gp, xp, rp, op, m, c, a, dyp, drp);
+      else backward_impl<scalar_t, Mask::recompute, A, false>(gp, xp, rp, op, m, c, a, dyp, drp);
+    });
   });
-}
-
-std::tuple<Tensor, Tensor> stats_op(const Tensor& x) {
-  check_matrix(x, "x");
-  const int64_t c = x.size(1);
-  TORCH_CHECK(x.size(0) > 0, "clfast_cpu.stats needs at least one value per channel");
-  const auto acc = acc_type(x.scalar_type());
-  std::vector<double> mean(c), var(c);
-  stats(x, c, mean.data(), var.data());
-  Tensor mt = at::empty({c}, x.options().dtype(acc)), vt = at::empty({c}, x.options().dtype(acc));
-  AT_DISPATCH_FLOATING_TYPES(acc, "clfast_cpu_stats_out", [&] {
-    for (int64_t j = 0; j < c; ++j) { mt.data_ptr<scalar_t>()[j] = scalar_t(mean[j]); vt.data_ptr<scalar_t>()[j] = scalar_t(var[j]); }
-  });
-  return {mt, vt};
-}
-
-Tensor fwd_op(const Tensor& x, const Tensor& scale, const Tensor& shift, const std::optional<Tensor>& res, bool relu) {
-  check_matrix(x, "x");
-  const int64_t c = x.size(1);
-  const auto acc = acc_type(x.scalar_type());
-  check_vec(scale, c, acc, "scale"); check_vec(shift, c, acc, "shift");
-  const bool has_res = res.has_value() && res->defined();
-  if (has_res) check_matrix(*res, "res");
-  Tensor out = at::empty({x.size(0), c}, x.options());
-  normalize(x, c, scale.const_data_ptr(), shift.const_data_ptr(), has_res ? &*res : nullptr, relu, out);
-  return out;
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_op(const Tensor& dout, const Tensor& x, const Tensor& mean,
-                                                  const Tensor& invstd, const Tensor& scale, const Tensor& shift,
-                                                  const std::optional<Tensor>& res, bool relu, bool training,
-                                                  bool want_dres) {
-  check_matrix(x, "x"); check_matrix(dout, "dout");
-  const int64_t c = x.size(1);
-  const auto acc = acc_type(x.scalar_type());
-  check_vec(mean, c, acc, "mean"); check_vec(invstd, c, acc, "invstd");
-  check_vec(scale, c, acc, "scale"); check_vec(shift, c, acc, "shift");
-  const bool has_res = res.has_value() && res->defined();
-  if (has_res) check_matrix(*res, "res");
-  TORCH_CHECK(!want_dres || has_res, "clfast_cpu: want_dres needs res");
-  Tensor dy = at::empty_like(x), sum_dz = at::empty({c}, x.options().dtype(acc)), sum_dzx = at::empty_like(sum_dz);
-  Tensor dres = want_dres ? at::empty_like(x) : at::empty({0}, x.options());
-  BwdArgs a{mean.const_data_ptr(), invstd.const_data_ptr(), scale.const_data_ptr(), shift.const_data_ptr()};
-  a.mask = relu ? Mask::recompute : Mask::none;
-  a.res = relu && has_res ? &*res : nullptr;
-  a.training = training;
-  a.dres = want_dres ? &dres : nullptr;
-  a.sum_dz = sum_dz.data_ptr(); a.sum_dzx = sum_dzx.data_ptr();
-  backward(dout, x, c, a, dy);
-  return {dy, sum_dz, sum_dzx, dres};
 }
 
 }  // namespace clfast_cpu

@@ -1,9 +1,8 @@
 // The BN+act kernels of bn_act.cpp. Every tensor argument is read as a row-major [M, C] matrix (see `is_rows`);
-// per-channel arrays are opmath (float; double for double tensors) unless typed otherwise.
+// per-channel arrays are opmath (float; double for double tensors) unless typed otherwise. The activation is a code
+// of clfast.act.ACTS with its parameter (formulas: act.h).
 #pragma once
 #include <ATen/core/Tensor.h>
-#include <optional>
-#include <tuple>
 
 namespace clfast_cpu {
 using at::Tensor;
@@ -14,29 +13,25 @@ bool is_rows(const Tensor& t);
 // Per-channel mean and biased variance of x
 void stats(const Tensor& x, int64_t c, double* mean, double* var);
 // out = act(x*scale + shift [+ res])
-void normalize(const Tensor& x, int64_t c, const void* scale, const void* shift, const Tensor* res, bool relu,
-               Tensor& out);
+void normalize(const Tensor& x, int64_t c, const void* scale, const void* shift, const Tensor* res, int64_t act,
+               double act_param, Tensor& out);
 
-// Where the ReLU mask of the backward comes from: no ReLU, x*scale + shift (+ res) > 0, or out > 0
-enum class Mask { none, recompute, from_out };
+// Where the activation's derivative comes from: no activation ('none'), read from out, or from the recomputed
+// z = x*scale + shift (+ res)
+enum class Mask { none, from_out, recompute };
 struct BwdArgs {
   const void* mean; const void* invstd; const void* scale; const void* shift;
+  int64_t act = 0;                 // clfast.act code
+  double act_param = 0.0;
   Mask mask = Mask::none;
-  const Tensor* res = nullptr;     // added before the ReLU (Mask::recompute)
+  const Tensor* res = nullptr;     // added to z before the activation (Mask::recompute)
   const Tensor* out = nullptr;     // the forward's output (Mask::from_out)
-  bool training = true;            // batch-statistics backward, else running-statistics (dy = dz*scale)
-  Tensor* dres = nullptr;          // where given, receives the masked gradient dz
+  bool training = true;            // batch-statistics backward, else given statistics (dy = dz*scale)
+  Tensor* dy = nullptr;            // where given, receives dy
+  Tensor* dres = nullptr;          // where given, receives dz
   void* sum_dz = nullptr;          // where given, receives sum(dz) per channel
   void* sum_dzx = nullptr;         // where given, receives sum(dz*x_hat) per channel
 };
-// dy of normalize's input, given dout
-void backward(const Tensor& dout, const Tensor& x, int64_t c, const BwdArgs& args, Tensor& dy);
-
-// The same as ops on [M, C] matrices (registered as clfast_cpu::stats / fwd / bwd)
-std::tuple<Tensor, Tensor> stats_op(const Tensor& x);
-Tensor fwd_op(const Tensor& x, const Tensor& scale, const Tensor& shift, const std::optional<Tensor>& res, bool relu);
-std::tuple<Tensor, Tensor, Tensor, Tensor> bwd_op(const Tensor& dout, const Tensor& x, const Tensor& mean,
-                                                  const Tensor& invstd, const Tensor& scale, const Tensor& shift,
-                                                  const std::optional<Tensor>& res, bool relu, bool training,
-                                                  bool want_dres);
+// Gradients of normalize given dout (x: normalize's input)
+void backward(const Tensor& dout, const Tensor& x, int64_t c, const BwdArgs& args);
 }  // namespace clfast_cpu

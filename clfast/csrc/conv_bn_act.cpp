@@ -1,49 +1,46 @@
-// A whole fused conv-BN(+add)(-ReLU) layer on the CPU as one op with a C++ autograd node: the conv (oneDNN through
-// ATen) and the bn_act.cpp kernels, running statistics updated as BatchNorm2d does. Per layer and direction it makes
-// two or three tensor-op calls where the Python glue made a dozen: right after a conv every such call is slow (cold
-// caches), and on a CPU ResNet-50 step they cost about what the kernels saved.
-// Also registers every `clfast_cpu` op.
+// The CPU backend of the fused layer act(bn(conv(x)) [+ residual]) (the contract: clfast/KERNELS.md): `layer_fwd` and
+// `layer_bwd`, each a whole layer in one op: the conv (oneDNN through ATen) and the bn_act.cpp kernels. Per layer and
+// direction they make two to four tensor-op calls (the conv, the allocations) where Python glue made a dozen: right
+// after a conv every such call is slow (cold caches), and on a CPU ResNet-50 step they cost about what the kernels
+// saved. Per-channel values are computed in plain loops, not with [C] tensor ops. No autograd here: the
+// `clfast::conv_bn_act` op (clfast/ops.py) owns the graph and BatchNorm's running statistics; these are called below
+// autograd and autocast (the caller has cast the dtypes). Also registers every `clfast_cpu` op.
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
+#include <array>
+#include <cmath>
 #include <optional>
+#include <tuple>
 #include <vector>
+#include "act.h"
 #include "bn_act.h"
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 namespace {
 
 bool given(const OptTensor& t) { return t.has_value() && t->defined(); }
 
-struct Geometry { std::vector<int64_t> stride, padding, dilation; int64_t groups; };
+struct Geometry { at::IntArrayRef stride, padding, dilation; int64_t groups; };
 
-struct BnState {  // what BatchNorm2d.forward passes to F.batch_norm, and its running-average bookkeeping
-  OptTensor running_mean, running_var, num_batches_tracked;
-  double eps;
-  std::optional<double> momentum;
-  bool training;
-};
-
-Tensor conv(const Tensor& x, const Tensor& w, const Tensor& b, const Geometry& g) {
-  return at::convolution(x, w, b.defined() ? OptTensor(b) : std::nullopt, g.stride, g.padding, g.dilation, false,
-                         {0, 0}, g.groups);
+Tensor conv(const Tensor& x, const Tensor& w, const OptTensor& b, const Geometry& g) {
+  const std::vector<int64_t> out_pad(g.stride.size(), 0);
+  return at::convolution(x, w, given(b) ? b : std::nullopt, g.stride, g.padding, g.dilation, false, out_pad, g.groups);
 }
 
 Tensor channels_last(const Tensor& t) {
-  return clfast_cpu::is_rows(t) ? t : t.contiguous(at::MemoryFormat::ChannelsLast);
+  if (clfast_cpu::is_rows(t)) return t;
+  return t.contiguous(t.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast);
 }
 
 // Per-channel values of an optional [C] tensor as doubles (`dflt` where absent), without tensor-op calls
-std::vector<double> doubles(const OptTensor& t, int64_t c, double dflt) {
+std::vector<double> doubles(const OptTensor& t, int64_t c, double dflt, const char* name) {
   std::vector<double> v(c, dflt);
   if (!given(t)) return v;
-  const Tensor tc = t->contiguous();
-  TORCH_CHECK(tc.numel() == c, "clfast: per-channel tensor has ", tc.numel(), " values, expected ", c);
+  const Tensor tc = t->contiguous();  // no dispatcher call when already contiguous
+  TORCH_CHECK_VALUE(tc.numel() == c, "clfast_cpu: ", name, " has ", tc.numel(), " values, expected ", c);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, tc.scalar_type(), "clfast_doubles", [&] {
     const scalar_t* p = tc.const_data_ptr<scalar_t>();
     for (int64_t j = 0; j < c; ++j) v[j] = double(p[j]);
@@ -51,163 +48,117 @@ std::vector<double> doubles(const OptTensor& t, int64_t c, double dflt) {
   return v;
 }
 
-void store(Tensor& t, const std::vector<double>& v) {
-  if (!t.is_contiguous()) { t.copy_(at::tensor(v, t.options().dtype(at::kDouble))); return; }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, t.scalar_type(), "clfast_store", [&] {
-    scalar_t* p = t.data_ptr<scalar_t>();
-    for (size_t j = 0; j < v.size(); ++j) p[j] = scalar_t(v[j]);
-  });
-  t.unsafeGetTensorImpl()->bump_version();  // as an in-place op would
+at::ScalarType acc_type(at::ScalarType st) { return st == at::kDouble ? at::kDouble : at::kFloat; }
+
+void check_dtype(const OptTensor& t, const Tensor& x, const char* name) {
+  TORCH_CHECK_VALUE(!given(t) || t->scalar_type() == x.scalar_type(), "clfast_cpu: ", name, " is ",
+                    t->scalar_type(), " but x is ", x.scalar_type(), " (the caller casts them to one dtype)");
 }
 
-// BatchNorm2d's bookkeeping: bump num_batches_tracked, then the running averages with the unbiased variance
-void update_running(const BnState& bn, const std::vector<double>& mean, const std::vector<double>& var, int64_t m) {
-  double factor = bn.momentum.value_or(0.0);
-  if (given(bn.num_batches_tracked)) {
-    Tensor nbt = *bn.num_batches_tracked;
-    if (nbt.scalar_type() == at::kLong && nbt.numel() == 1) {  // no tensor-op call for the common case
-      ++*nbt.data_ptr<int64_t>();
-      nbt.unsafeGetTensorImpl()->bump_version();
-    } else nbt.add_(1);
-    if (!bn.momentum) factor = 1.0 / nbt.item<double>();
-  }
-  if (!given(bn.running_mean) || !given(bn.running_var)) return;
-  const int64_t c = int64_t(mean.size());
-  std::vector<double> rm = doubles(bn.running_mean, c, 0.0), rv = doubles(bn.running_var, c, 0.0);
-  const double unbias = double(m) / double(m - 1);
-  for (int64_t j = 0; j < c; ++j) {
-    rm[j] += factor * (mean[j] - rm[j]);
-    rv[j] += factor * (var[j] * unbias - rv[j]);
-  }
-  Tensor rmt = *bn.running_mean, rvt = *bn.running_var;
-  store(rmt, rm); store(rvt, rv);
-}
-
-enum Flags : int64_t { kRelu = 1, kBatchStats = 2, kResidual = 4, kNeedX = 8, kNeedW = 16, kNeedB = 32,
-                       kNeedBnW = 64, kNeedBnB = 128 };
-
-struct ConvBNAct : public torch::autograd::Function<ConvBNAct> {
-  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, const OptTensor& bias,
-                        const OptTensor& bn_weight, const OptTensor& bn_bias, const OptTensor& residual,
-                        const BnState& bn, const Geometry& geom, bool relu, bool memory) {
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // dtypes were set by the caller
-    const Tensor b = given(bias) ? *bias : Tensor();
-    const Tensor y = channels_last(conv(x, weight, b, geom));
-    const int64_t c = y.size(1), m = y.numel() / c;
-    TORCH_CHECK_VALUE(!given(residual) || residual->sizes() == y.sizes(), "residual shape ", residual->sizes(),
-                      " must equal the conv output's ", y.sizes());
-    // batch statistics as BatchNorm2d: in training, or without running statistics
-    const bool batch_stats = bn.training || (!given(bn.running_mean) && !given(bn.running_var));
-    std::vector<double> mean(c), var(c);
-    if (batch_stats) {
-      TORCH_CHECK_VALUE(m > 1, "Expected more than 1 value per channel when training, got input size torch.Size(",
-                        y.sizes(), ")");
-      clfast_cpu::stats(y, c, mean.data(), var.data());
-      update_running(bn, mean, var, m);
-    } else {
-      mean = doubles(bn.running_mean, c, 0.0);
-      var = doubles(bn.running_var, c, 1.0);
-    }
-    const std::vector<double> w = doubles(bn_weight, c, 1.0), bb = doubles(bn_bias, c, 0.0);
-    const auto acc = y.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    Tensor params = at::empty({4, c}, y.options().dtype(acc));  // mean, invstd, scale, shift
-    AT_DISPATCH_FLOATING_TYPES(acc, "clfast_params", [&] {
-      scalar_t* p = params.data_ptr<scalar_t>();
-      for (int64_t j = 0; j < c; ++j) {
-        const double invstd = 1.0 / std::sqrt(var[j] + bn.eps), scale = invstd * w[j];
-        p[j] = scalar_t(mean[j]); p[c + j] = scalar_t(invstd);
-        p[2 * c + j] = scalar_t(scale); p[3 * c + j] = scalar_t(bb[j] - mean[j] * scale);
-      }
-    });
-    Tensor res;
-    if (given(residual)) res = channels_last(residual->scalar_type() == y.scalar_type() ? *residual
-                                                                                        : residual->to(y.scalar_type()));
-    Tensor out = at::empty_like(y);
-    const char* pp = static_cast<const char*>(params.const_data_ptr());
-    const size_t row = size_t(c) * params.element_size();
-    clfast_cpu::normalize(y, c, pp + 2 * row, pp + 3 * row, res.defined() ? &res : nullptr, relu, out);
-    // With a residual and a ReLU the mask is read from the output (which the next layer keeps anyway) rather than
-    // recomputed from y + residual: a downsample branch's output is then not kept alive for backward.
-    const bool mask_from_out = relu && res.defined();
-    ctx->save_for_backward({x, weight, b, memory ? Tensor() : y, params, mask_from_out ? out : Tensor()});
-    auto needs = [](const OptTensor& t) { return given(t) && t->requires_grad(); };
-    const int64_t flags = (relu ? kRelu : 0) | (batch_stats ? kBatchStats : 0) | (res.defined() ? kResidual : 0) |
-                          (x.requires_grad() ? kNeedX : 0) | (weight.requires_grad() ? kNeedW : 0) |
-                          (needs(bias) ? kNeedB : 0) | (needs(bn_weight) ? kNeedBnW : 0) | (needs(bn_bias) ? kNeedBnB : 0);
-    ctx->saved_data["flags"] = flags;
-    ctx->saved_data["geom"] = std::vector<int64_t>{geom.stride[0], geom.stride[1], geom.padding[0], geom.padding[1],
-                                                   geom.dilation[0], geom.dilation[1], geom.groups};
-    ctx->saved_data["bn_dtypes"] = std::vector<int64_t>{
-        int64_t(given(bn_weight) ? bn_weight->scalar_type() : acc), int64_t(given(bn_bias) ? bn_bias->scalar_type() : acc)};
-    return out;
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), "clfast's fused conv-BN has no double backward (create_graph=True): "
-                "unfuse the model (clfast.fuse.unfuse_conv_bn) for higher-order gradients");
-    c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &x = saved[0], &weight = saved[1], &b = saved[2], &params = saved[4], &out = saved[5];
-    const int64_t flags = ctx->saved_data["flags"].toInt();
-    const auto gv = ctx->saved_data["geom"].toIntVector();
-    const auto bn_dtypes = ctx->saved_data["bn_dtypes"].toIntVector();
-    const Geometry geom{{gv[0], gv[1]}, {gv[2], gv[3]}, {gv[4], gv[5]}, gv[6]};
-    const Tensor y = saved[3].defined() ? saved[3] : channels_last(conv(x, weight, b, geom));  // memory mode: recompute
-    const int64_t c = y.size(1);
-    Tensor g = grads[0];
-    if (g.scalar_type() != y.scalar_type()) g = g.to(y.scalar_type());
-    g = channels_last(g);
-    const bool mask_from_out = out.defined(), has_res = flags & kResidual;
-    const char* pp = static_cast<const char*>(params.const_data_ptr());
-    const size_t row = size_t(c) * params.element_size();
-    clfast_cpu::BwdArgs a{pp, pp + row, pp + 2 * row, pp + 3 * row};
-    a.mask = !(flags & kRelu) ? clfast_cpu::Mask::none
-             : mask_from_out  ? clfast_cpu::Mask::from_out : clfast_cpu::Mask::recompute;
-    a.out = mask_from_out ? &out : nullptr;
-    a.training = flags & kBatchStats;
-    Tensor dres, dbn_w, dbn_b;
-    if (has_res) dres = mask_from_out ? at::empty_like(y) : grads[0];  // without the ReLU mask dres is dout itself
-    if (has_res && mask_from_out) a.dres = &dres;
-    const auto acc = params.scalar_type();
-    if (flags & kNeedBnW) { dbn_w = at::empty({c}, params.options()); a.sum_dzx = dbn_w.data_ptr(); }
-    if (flags & kNeedBnB) { dbn_b = at::empty({c}, params.options()); a.sum_dz = dbn_b.data_ptr(); }
-    Tensor dy = at::empty_like(y);
-    clfast_cpu::backward(g, y, c, a, dy);
-    Tensor dx, dw, db;
-    const bool nx = flags & kNeedX, nw = flags & kNeedW, nb = (flags & kNeedB) && b.defined();
-    if (nx || nw || nb) {
-      std::vector<int64_t> bias_sizes{weight.size(0)};
-      std::tie(dx, dw, db) = at::convolution_backward(
-          dy, x, weight, b.defined() ? at::OptionalIntArrayRef(bias_sizes) : at::OptionalIntArrayRef(), geom.stride,
-          geom.padding, geom.dilation, false, {0, 0}, geom.groups, {nx, nw, nb});
-    }
-    if (dbn_w.defined() && bn_dtypes[0] != int64_t(acc)) dbn_w = dbn_w.to(at::ScalarType(bn_dtypes[0]));
-    if (dbn_b.defined() && bn_dtypes[1] != int64_t(acc)) dbn_b = dbn_b.to(at::ScalarType(bn_dtypes[1]));
-    // one gradient per forward argument: x, weight, bias, bn_weight, bn_bias, residual, bn, geom, relu, memory
-    return {dx, dw, db, dbn_w, dbn_b, dres, Tensor(), Tensor(), Tensor(), Tensor()};
-  }
+// What both directions run under: the caller has set dtypes (no autocast) and owns the autograd graph
+struct Guards {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
 };
 
-Tensor conv_bn_act(const Tensor& x, const Tensor& weight, const OptTensor& bias, const OptTensor& bn_weight,
-                   const OptTensor& bn_bias, const OptTensor& residual, const OptTensor& running_mean,
-                   const OptTensor& running_var, const OptTensor& num_batches_tracked, at::IntArrayRef stride,
-                   at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, double eps,
-                   std::optional<double> momentum, bool training, bool relu, bool memory) {
-  TORCH_CHECK_VALUE(x.dim() == 4, "expected 4D input (got ", x.dim(), "D input)");
-  BnState bn{running_mean, running_var, num_batches_tracked, eps, momentum, training};
-  Geometry geom{stride.vec(), padding.vec(), dilation.vec(), groups};
-  return ConvBNAct::apply(x, weight, bias, bn_weight, bn_bias, residual, bn, geom, relu, memory);
+std::tuple<Tensor, Tensor, Tensor> layer_fwd(
+    const Tensor& x, const Tensor& weight, const OptTensor& bias, const OptTensor& bn_weight, const OptTensor& bn_bias,
+    const OptTensor& residual, const OptTensor& mean, const OptTensor& var, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, double eps, int64_t act, double act_param,
+    bool keep_y) {
+  Guards guards;
+  TORCH_CHECK_VALUE(x.dim() == 4 || x.dim() == 5, "clfast_cpu.layer_fwd: expected 4D (or 5D) input, got ", x.dim(), "D");
+  TORCH_CHECK_VALUE(given(mean) == given(var), "clfast_cpu.layer_fwd: give both mean and var, or neither");
+  check_dtype(weight, x, "weight"); check_dtype(bias, x, "bias"); check_dtype(residual, x, "residual");
+  const Tensor y = channels_last(conv(x, weight, bias, {stride, padding, dilation, groups}));
+  const int64_t c = y.size(1), m = y.numel() / c;
+  TORCH_CHECK_VALUE(!given(residual) || residual->sizes() == y.sizes(), "clfast_cpu.layer_fwd: residual shape ",
+                    residual->sizes(), " must equal the conv output's ", y.sizes());
+  std::vector<double> mu(c), va(c);
+  if (given(mean)) {
+    mu = doubles(mean, c, 0.0, "mean");
+    va = doubles(var, c, 1.0, "var");
+  } else {
+    TORCH_CHECK_VALUE(m > 0, "clfast_cpu.layer_fwd: batch statistics need at least one value per channel");
+    clfast_cpu::stats(y, c, mu.data(), va.data());
+  }
+  const std::vector<double> w = doubles(bn_weight, c, 1.0, "bn_weight"), bb = doubles(bn_bias, c, 0.0, "bn_bias");
+  Tensor params = at::empty({5, c}, y.options().dtype(acc_type(y.scalar_type())));  // mean, invstd, scale, shift, var
+  AT_DISPATCH_FLOATING_TYPES(params.scalar_type(), "clfast_params", [&] {
+    scalar_t* p = params.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < c; ++j) {
+      const double invstd = 1.0 / std::sqrt(va[j] + eps), scale = invstd * w[j];
+      p[j] = scalar_t(mu[j]); p[c + j] = scalar_t(invstd); p[2 * c + j] = scalar_t(scale);
+      p[3 * c + j] = scalar_t(bb[j] - mu[j] * scale); p[4 * c + j] = scalar_t(va[j]);
+    }
+  });
+  const Tensor res = given(residual) ? channels_last(*residual) : Tensor();
+  Tensor out = at::empty_like(y);
+  const char* pp = static_cast<const char*>(params.const_data_ptr());
+  const size_t row = size_t(c) * params.element_size();
+  clfast_cpu::normalize(y, c, pp + 2 * row, pp + 3 * row, res.defined() ? &res : nullptr, act, act_param, out);
+  return {out, keep_y ? y : at::empty({0}, y.options()), params};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
+    const Tensor& dout, const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& y_saved,
+    const Tensor& params, const OptTensor& residual, const Tensor& out, at::IntArrayRef stride, at::IntArrayRef padding,
+    at::IntArrayRef dilation, int64_t groups, bool training, int64_t act, double act_param, std::array<bool, 6> needs) {
+  Guards guards;
+  check_dtype(weight, x, "weight"); check_dtype(bias, x, "bias"); check_dtype(residual, x, "residual");
+  check_dtype(dout, x, "dout");
+  const Geometry geom{stride, padding, dilation, groups};
+  const bool recompute_y = !y_saved.defined() || y_saved.numel() == 0;  // the 'memory' mode
+  const Tensor y = recompute_y ? channels_last(conv(x, weight, bias, geom)) : channels_last(y_saved);
+  const int64_t c = y.size(1);
+  const auto acc = acc_type(y.scalar_type());
+  TORCH_CHECK_VALUE(params.dim() == 2 && params.size(0) == 5 && params.size(1) == c && params.is_contiguous() &&
+                    params.scalar_type() == acc, "clfast_cpu.layer_bwd: params must be layer_fwd's contiguous [5, C] ",
+                    acc, " tensor");
+  const Tensor g = channels_last(dout);
+  const bool from_out = out.defined() && out.numel() > 0;
+  const Tensor o = from_out ? channels_last(out) : Tensor();
+  // the residual only enters the recomputed z of an activation
+  const Tensor res = !from_out && act != clfast_cpu::act::kNone && given(residual) ? channels_last(*residual) : Tensor();
+  const char* pp = static_cast<const char*>(params.const_data_ptr());
+  const size_t row = size_t(c) * params.element_size();
+  clfast_cpu::BwdArgs a{pp, pp + row, pp + 2 * row, pp + 3 * row};
+  a.act = act; a.act_param = act_param;
+  a.mask = from_out ? clfast_cpu::Mask::from_out : clfast_cpu::Mask::recompute;
+  a.out = from_out ? &o : nullptr;
+  a.res = res.defined() ? &res : nullptr;
+  a.training = training;
+  const bool nx = needs[0], nw = needs[1], nb = needs[2] && given(bias);
+  Tensor dy, dres, dbn_w, dbn_b;
+  if (nx || nw || nb) { dy = at::empty_like(y); a.dy = &dy; }
+  if (needs[5]) { dres = at::empty_like(y); a.dres = &dres; }
+  if (needs[3]) { dbn_w = at::empty({c}, params.options()); a.sum_dzx = dbn_w.data_ptr(); }
+  if (needs[4]) { dbn_b = at::empty({c}, params.options()); a.sum_dz = dbn_b.data_ptr(); }
+  if (a.dy || a.dres || a.sum_dz || a.sum_dzx) clfast_cpu::backward(g, y, c, a);
+  Tensor dx, dw, db;
+  if (dy.defined()) {
+    const std::vector<int64_t> bias_sizes{weight.size(0)}, out_pad(stride.size(), 0);
+    std::tie(dx, dw, db) = at::convolution_backward(
+        dy, x, weight, given(bias) ? at::OptionalIntArrayRef(bias_sizes) : at::OptionalIntArrayRef(), stride, padding,
+        dilation, false, out_pad, groups, {nx, nw, nb});
+  }
+  auto or_empty = [&](const Tensor& t, const Tensor& like) { return t.defined() ? t : at::empty({0}, like.options()); };
+  return {or_empty(dx, x), or_empty(dw, x), or_empty(db, x), or_empty(dbn_w, params), or_empty(dbn_b, params),
+          or_empty(dres, x)};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(clfast_cpu, m) {
-  m.def("stats(Tensor x) -> (Tensor, Tensor)", &clfast_cpu::stats_op);
-  m.def("fwd(Tensor x, Tensor scale, Tensor shift, Tensor? res, bool relu) -> Tensor", &clfast_cpu::fwd_op);
-  m.def("bwd(Tensor dout, Tensor x, Tensor mean, Tensor invstd, Tensor scale, Tensor shift, Tensor? res, "
-        "bool relu, bool training, bool want_dres) -> (Tensor, Tensor, Tensor, Tensor)", &clfast_cpu::bwd_op);
-  m.def("conv_bn_act(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, Tensor? residual, "
-        "Tensor(a!)? running_mean, Tensor(b!)? running_var, Tensor(c!)? num_batches_tracked, int[] stride, "
-        "int[] padding, int[] dilation, int groups, float eps, float? momentum, bool training, bool relu, "
-        "bool memory) -> Tensor", &conv_bn_act);
+  m.def("layer_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, Tensor? residual, "
+        "Tensor? mean, Tensor? var, int[] stride, int[] padding, int[] dilation, int groups, float eps, int act, "
+        "float act_param, bool keep_y) -> (Tensor out, Tensor y, Tensor params)");
+  m.def("layer_bwd(Tensor dout, Tensor x, Tensor weight, Tensor? bias, Tensor y, Tensor params, Tensor? residual, "
+        "Tensor out, int[] stride, int[] padding, int[] dilation, int groups, bool training, int act, "
+        "float act_param, bool[6] needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(clfast_cpu, CPU, m) {
+  m.impl("layer_fwd", &layer_fwd);
+  m.impl("layer_bwd", &layer_bwd);
 }

@@ -1,0 +1,214 @@
+"""The C++ CPU backend (`clfast.cpu_kernels`: `layer_fwd` / `layer_bwd`, the contract of clfast/KERNELS.md) against an
+fp64 oracle built from stock PyTorch: F.conv2d -> F.batch_norm -> (+ residual) -> `ACTS[name].fn`, with autograd."""
+import math
+import pytest, torch
+import torch.nn.functional as F
+from clfast import cpu_kernels
+from clfast.act import ACTS
+
+pytestmark = pytest.mark.skipif(bool(cpu_kernels.missing_toolchain()), reason=str(cpu_kernels.missing_toolchain()))
+
+@pytest.fixture(scope='module')
+def k():
+    "The backend, run on one thread: these shapes are tiny, and on a busy machine waking a thread pool per op costs far more than the work"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield cpu_kernels.load()
+    torch.set_num_threads(n)
+
+# every activation; leaky_relu with a positive and a negative slope
+ACT_CASES = [(n, 0.) for n in ACTS if n != 'leaky_relu'] + [('leaky_relu', 0.1), ('leaky_relu', -0.2)]
+ACT_IDS = [f"{n}{p:g}" if n == 'leaky_relu' else n for n, p in ACT_CASES]
+DTYPES = [torch.float64, torch.float32, torch.bfloat16]
+# max |got - want| / max |want|: outputs, then gradients (bf16: the kernels' outputs and dy are rounded to bf16)
+TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-4, 1e-3), torch.bfloat16: (1e-2, 3e-2),
+       torch.float16: (3e-3, 1e-2)}
+EPS = 1e-5
+CL = torch.channels_last
+
+def rel_err(got, want, scale=None):
+    "max |got - want| relative to `scale`, by default max |want|"
+    got, want = got.double(), want.double()
+    if scale is None: scale = want.abs().max()
+    return ((got - want).abs().max() / max(float(scale), 1e-30)).item()
+
+def assert_close(got, want, tol, what, scale=None):
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    err = rel_err(got, want, scale)
+    assert err <= tol, f"{what}: relative error {err:.3g} > {tol:g}"
+
+def make_case(dtype, bias, affine, residual, training, n=2, cin=3, cout=5, hw=5):
+    "Inputs in `dtype` (channels-last), BN vectors and statistics in fp32, as a model under the op has them"
+    t = lambda *s: torch.randn(*s).to(dtype)
+    c = dict(x=t(n, cin, hw, hw).to(memory_format=CL), w=t(cout, cin, 3, 3) * 0.5,
+             b=t(cout) if bias else None,
+             g=torch.rand(cout) + 0.5 if affine else None, beta=torch.randn(cout) * 0.5 if affine else None,
+             r=t(n, cout, hw, hw).to(memory_format=CL) if residual else None,
+             mean=None if training else torch.randn(cout) * 0.3, var=None if training else torch.rand(cout) + 0.5)
+    c['dout'] = t(n, cout, hw, hw).to(memory_format=CL)
+    return c
+
+def oracle(c, name, p, training, dtype):
+    """fp64 stock PyTorch: output, params rows, gradients (x, w, b, bn_w, bn_b, residual) of sum(out*dout), and the
+    scale of the conv bias's gradient: max_c sum |dy| (with batch statistics that gradient is a sum that cancels to 0).
+    Away from fp64, y goes through `dtype` as in the kernels (straight-through for the gradient): z is then the
+    kernels' z up to rounding, and a piecewise activation's derivative does not flip on y's rounding."""
+    d = lambda v: None if v is None else v.detach().double().requires_grad_()
+    x, w, b, g, beta, r = (d(c[n]) for n in ('x', 'w', 'b', 'g', 'beta', 'r'))
+    y = F.conv2d(x, w, b, padding=1)
+    if dtype != torch.float64: y = y + (y.detach().to(dtype).double() - y.detach())
+    yd = y.detach()
+    if training: mean, var = yd.mean((0, 2, 3)), yd.var((0, 2, 3), unbiased=False)
+    else: mean, var = c['mean'].double(), c['var'].double()
+    z = F.batch_norm(y, None if training else mean, None if training else var, g, beta, training=training, eps=EPS)
+    if r is not None: z = z + r
+    out = ACTS[name].fn(z, p)
+    leaves = [x, w, b, g, beta, r]
+    req = [v for v in leaves if v is not None]
+    *grads, dy = torch.autograd.grad(out, req + [y], c['dout'].double())
+    grads = iter(grads)
+    grads = [None if v is None else next(grads) for v in leaves]
+    invstd = 1 / torch.sqrt(var + EPS)
+    scale = invstd * (g.detach() if g is not None else 1)
+    shift = (beta.detach() if beta is not None else 0) - mean * scale
+    params = torch.stack([mean, invstd, scale, shift, var])
+    return out.detach(), params, grads, dy.abs().sum((0, 2, 3)).max()
+
+GEOM = ([1, 1], [1, 1], [1, 1], 1)   # stride, padding, dilation, groups
+
+def fwd(k, c, name, p, keep_y):
+    with torch.no_grad():
+        return k.layer_fwd(c['x'], c['w'], c['b'], c['g'], c['beta'], c['r'], c['mean'], c['var'], *GEOM, EPS,
+                           ACTS[name].code, p, keep_y)
+
+def bwd(k, c, name, p, y, params, training, out=None, needs=None):
+    if needs is None: needs = [True, True] + [c[n] is not None for n in ('b', 'g', 'beta', 'r')]   # as the op asks
+    e = torch.empty(0, dtype=c['x'].dtype)
+    return k.layer_bwd(c['dout'], c['x'], c['w'], c['b'], y, params, c['r'], e if out is None else out, *GEOM,
+                       training, ACTS[name].code, p, needs)
+
+@pytest.mark.parametrize('dtype', DTYPES, ids=str)
+@pytest.mark.parametrize('training', [True, False], ids=['train', 'eval'])
+@pytest.mark.parametrize('residual', [False, True], ids=['', 'res'])
+@pytest.mark.parametrize('bias,affine', [(False, True), (True, False), (True, True), (False, False)],
+                         ids=['affine', 'bias', 'bias+affine', 'plain'])
+@pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)
+def test_layer(k, name, p, bias, affine, residual, training, dtype):
+    c = make_case(dtype, bias, affine, residual, training)
+    want_out, want_params, want_grads, db_scale = oracle(c, name, p, training, dtype)
+    tol_out, tol_grad = TOL[dtype]
+    out, y, params = fwd(k, c, name, p, True)
+    out2, y2, params2 = fwd(k, c, name, p, False)         # memory mode: no y
+    assert out.dtype == dtype and out.is_contiguous(memory_format=CL)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert params.dtype == acc and params.shape == (5, 5) and params.is_contiguous()
+    assert y.shape == out.shape and y.dtype == dtype and y2.numel() == 0
+    assert torch.equal(out, out2) and torch.equal(params, params2)
+    assert_close(out, want_out, tol_out, 'out')
+    assert_close(params, want_params, tol_out, 'params')
+    names = ['dx', 'dweight', 'dbias', 'dbn_weight', 'dbn_bias', 'dresidual']
+    ways = {'keep_y': bwd(k, c, name, p, y, params, training), 'memory': bwd(k, c, name, p, y2, params2, training)}
+    if ACTS[name].grad_from_out(p): ways['from_out'] = bwd(k, c, name, p, y, params, training, out=out)
+    for way, got in ways.items():
+        for n, g, want in zip(names, got, want_grads):
+            if want is None: assert g.numel() == 0, f"{way} {n}: expected an empty tensor"; continue
+            assert g.dtype == (acc if n in ('dbn_weight', 'dbn_bias') else dtype), f"{way} {n}: dtype {g.dtype}"
+            assert_close(g, want, tol_grad, f"{way} {n}", db_scale if n == 'dbias' else None)
+    # the derivative read from out is exactly the recomputed one; y kept or recomputed is the same conv
+    for way in ways:
+        for n, a, b in zip(names, ways['keep_y'], ways[way]): assert torch.equal(a, b), f"{way} {n} != keep_y's"
+
+@pytest.mark.parametrize('training', [True, False], ids=['train', 'eval'])
+@pytest.mark.parametrize('name,p', [('relu', 0.), ('silu', 0.), ('leaky_relu', -0.2)], ids=['relu', 'silu', 'leaky-0.2'])
+def test_layer_fp16(k, name, p, training):
+    "fp16 runs the same templates as bf16: a few cases"
+    test_layer(k, name, p, True, True, True, training, torch.float16)
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)
+def test_act_formulas(k, name, p, dtype):
+    """act.h at chosen points (the boundaries, large values, inf, NaN) against stock autograd (its vectorized CPU
+    kernels: hardswish' is 0 at z = -3 and 1 at z = 3 exactly, relu6' 0 at NaN): depthwise 1x1 conv of ones, mean 0, var 1, eps 0: z = x"""
+    pts = torch.tensor([0., -0., 6., -3., 3., 1e-30, -1e-30, 5.999, 6.001, -2.999, -3.001, 2.999, 3.001, 1., -1., 0.5,
+                        -0.5, 20., -20., 100., -100., math.inf, -math.inf, math.nan], dtype=dtype)
+    pts = torch.cat([pts, torch.linspace(-8, 8, 57, dtype=dtype)])
+    C = pts.numel()
+    x = pts.view(1, C, 1, 1).contiguous(memory_format=CL)
+    w = torch.ones(C, 1, 1, 1, dtype=dtype)
+    zero, one = torch.zeros(C), torch.ones(C)
+    geom = ([1, 1], [0, 0], [1, 1], C)
+    with torch.no_grad():
+        out, y, params = k.layer_fwd(x, w, None, None, None, None, zero, one, *geom, 0., ACTS[name].code, p, True)
+    torch.testing.assert_close(y, x, rtol=0, atol=0, equal_nan=True)   # (the conv may turn -0 into +0)
+    xr = x.detach().clone().requires_grad_()
+    want = ACTS[name].fn(xr, p)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)  # fp32: erf, tanh
+    torch.testing.assert_close(out, want.detach(), **tol, equal_nan=True)
+    g = torch.randn_like(x).abs() + 0.5
+    (want_dx,) = torch.autograd.grad(want, xr, g)
+    needs = [True, False, False, False, False, False]
+    e = torch.empty(0, dtype=dtype)
+    dx = k.layer_bwd(g, x, w, None, y, params, None, e, *geom, False, ACTS[name].code, p, needs)[0]
+    torch.testing.assert_close(dx, want_dx, **tol, equal_nan=True)
+    if ACTS[name].grad_from_out(p):
+        dx2 = k.layer_bwd(g, x, w, None, y, params, None, out, *geom, False, ACTS[name].code, p, needs)[0]
+        torch.testing.assert_close(dx2, want_dx, rtol=0, atol=0, equal_nan=True)
+
+def test_needs_and_geometry(k):
+    "Only the needed results (others empty); stride/dilation/groups; NCHW-contiguous x and dout are accepted"
+    d = torch.float64
+    x = torch.randn(2, 4, 9, 9, dtype=d)                   # not channels-last
+    w, b = torch.randn(6, 2, 3, 3, dtype=d), torch.randn(6, dtype=d)
+    g, beta = torch.rand(6, dtype=d) + 0.5, torch.randn(6, dtype=d)
+    mean, var = torch.randn(6, dtype=d), torch.rand(6, dtype=d) + 0.5    # given statistics: dbias does not cancel
+    geom = ([2, 2], [2, 2], [2, 2], 2)
+    with torch.no_grad():
+        out, y, params = k.layer_fwd(x, w, b, g, beta, None, mean, var, *geom, EPS, ACTS['silu'].code, 0., False)
+    xr, wr, br, gr, betar = (v.clone().requires_grad_() for v in (x, w, b, g, beta))
+    ref = F.silu(F.batch_norm(F.conv2d(xr, wr, br, 2, 2, 2, 2), mean, var, gr, betar, training=False, eps=EPS))
+    assert_close(out, ref.detach(), 1e-10, 'out')
+    dout = torch.randn(ref.shape, dtype=d)                  # NCHW-contiguous
+    want = torch.autograd.grad(ref, [xr, wr, br, gr, betar], dout)
+    for i in range(5):
+        needs = [j == i for j in range(6)]
+        got = k.layer_bwd(dout, x, w, b, y, params, None, torch.empty(0, dtype=d), *geom, False,
+                          ACTS['silu'].code, 0., needs)
+        for j, t in enumerate(got):
+            if j == i: assert_close(t, want[i], 1e-10, f"result {i}")
+            else: assert t.numel() == 0, f"result {j} computed though not needed"
+
+def test_errors(k):
+    x, w = torch.randn(2, 3, 4, 4), torch.randn(4, 3, 1, 1)
+    geom = ([1, 1], [0, 0], [1, 1], 1)
+    with pytest.raises(ValueError, match='unknown activation'):
+        k.layer_fwd(x, w, None, None, None, None, None, None, *geom, EPS, 99, 0., False)
+    with pytest.raises(ValueError, match='mean and var'):
+        k.layer_fwd(x, w, None, None, None, None, torch.zeros(4), None, *geom, EPS, 1, 0., False)
+    with pytest.raises(ValueError, match='dtype|Double|Float'):
+        k.layer_fwd(x, w.double(), None, None, None, None, None, None, *geom, EPS, 1, 0., False)
+    out, y, params = k.layer_fwd(x, w, None, None, None, None, None, None, *geom, EPS, ACTS['silu'].code, 0., True)
+    with pytest.raises(RuntimeError, match='cannot be read from its output'):
+        k.layer_bwd(torch.randn_like(out), x, w, None, y, params, None, out, *geom, True, ACTS['silu'].code, 0.,
+                    [True] * 6)
+    out, y, params = k.layer_fwd(x, w, None, None, None, None, None, None, *geom, EPS, 3, -0.2, True)
+    with pytest.raises(RuntimeError, match='cannot be read from its output'):
+        k.layer_bwd(torch.randn_like(out), x, w, None, y, params, None, out, *geom, True, 3, -0.2, [True] * 6)
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16], ids=str)
+def test_thread_count_independent(k, dtype):
+    "The row partition of the sums is fixed: every result is bitwise the same on 1 and 3 threads (an exact depthwise 1x1 conv of ones, so only the kernels' sums can differ)"
+    N, C, H = 4, 24, 24                                    # big enough that the sums and passes run in parallel
+    x = torch.randn(N, C, H, H).to(dtype).to(memory_format=CL)
+    w = torch.ones(C, 1, 1, 1, dtype=dtype)
+    r, dout = torch.randn_like(x), torch.randn_like(x)
+    g, beta = torch.rand(C) + 0.5, torch.randn(C)
+    geom = ([1, 1], [0, 0], [1, 1], C)
+    def run():
+        out, y, params = k.layer_fwd(x, w, None, g, beta, r, None, None, *geom, EPS, ACTS['silu'].code, 0., True)
+        return (out, params) + tuple(k.layer_bwd(dout, x, w, None, y, params, r, torch.empty(0, dtype=dtype), *geom,
+                                                 True, ACTS['silu'].code, 0., [True, False, False, True, True, True]))
+    one = run()
+    torch.set_num_threads(3)
+    try: three = run()
+    finally: torch.set_num_threads(1)
+    for i, (a, b) in enumerate(zip(one, three)): assert torch.equal(a, b), f"result {i} depends on the thread count"

@@ -35,7 +35,7 @@ def conv_geometry(conv:nn.Conv2d):
         pad = tuple(s//2 for s in span)
     return tuple(conv.stride), tuple(pad), tuple(conv.dilation), conv.groups
 
-# %% ../nbs/23_fused.ipynb #5cd0406d
+# %% ../nbs/23_fused.ipynb #32b25de6
 def _autocast(x, weight, bias, residual):
     dev = x.device.type
     if not torch.is_autocast_enabled(dev): return x, weight, bias, residual
@@ -63,8 +63,12 @@ def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|Non
     # a conv that would reach a known-bad stock kernel runs as `clfast.guard` says (its plan is set by `guard_model`)
     args = (run, xc, w, geom[0], conv.__dict__.get('_cl_guard'), res)
     dev = x.device.type
-    if not torch.is_autocast_enabled(dev): return guard_conv_call(*args)
-    with torch.autocast(dev, enabled=False): return guard_conv_call(*args)
+    if not torch.is_autocast_enabled(dev): out = guard_conv_call(*args)
+    else:
+        with torch.autocast(dev, enabled=False): out = guard_conv_call(*args)
+    # a backend may return a view (the reference does), which autograd forbids modifying in place; models modify a
+    # conv's or BN's output in place (`x += shortcut`, ReLU(inplace=True)), so hand out a tensor of its own
+    return out if out._base is None else out.clone()
 
 # %% ../nbs/23_fused.ipynb #11951aa2
 def _rebuild_as(cls, state:dict) -> nn.Module:

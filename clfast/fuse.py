@@ -243,7 +243,20 @@ for q, n, p, f in [
      _eff_plan([('conv_dw', 'bn1'), ('conv_pw', 'bn2')]), _ds_forward)]:
     register_block(q, n, p, f)
 
-# %% ../nbs/24_fuse.ipynb #4b182fb4
+# %% ../nbs/24_fuse.ipynb #78670865
+def _describe(n, mod) -> str:
+    "What an fx node computes, in words"
+    if not isinstance(n, fx.Node): return 'a constant'
+    if n.op == 'placeholder': return "the module's input"
+    if n.op == 'call_module':
+        m = mod(n)
+        a = act_of(m)
+        return f"the output of a {type(m).__name__}" + (" (an activation)" if a is not None and a[0] != 'none' else '')
+    if n.op in ('call_function', 'call_method'):
+        f = n.target if isinstance(n.target, str) else getattr(n.target, '__name__', str(n.target))
+        return f"the result of {f}"
+    return n.op
+
 class _Fuser:
     "One surgery pass over `root`: fuses what it can, records what it fused and skipped"
     def __init__(self, root, mode, check=None):
@@ -279,11 +292,12 @@ class _Fuser:
             reason = f"{type(bn).__name__} applies its own activation before the {act[0]} the block adds"
         if reason: self.skip(conv, bn, reason); return False
         name, p = act_of(act_mod) if act_mod is not None else (act or ('none', 0.))
+        kind = _conv_kind(conv)
         _fuse_pair(conv, bn, self.mode, name, p)
         if act_mod is not None and name != 'none': act_mod.__class__ = pass_through(type(act_mod))
         a = conv.act
         pattern = 'conv-bn' + ('-add' if add else '') + ('' if a == 'none' else f'-{a}')
-        self.report.fused.append((self.name(conv), pattern if _conv_kind(conv) != 'mixed' else f'mixed {pattern}'))
+        self.report.fused.append((self.name(conv), pattern if kind != 'mixed' else f'mixed {pattern}'))
         return True
 
     def act_after(self, bn, follow):
@@ -343,9 +357,11 @@ class _Fuser:
         for node in list(graph.nodes):
             conv = mod(node)
             if conv is None or _conv_kind(conv) is None: continue
-            bns = [u for u in node.users if isinstance(mod(u), _BatchNorm)]
+            out = node   # conv → Identity... → BN fuses too
+            while len(out.users) == 1 and _is(mod(next(iter(out.users))), nn.Identity): out = next(iter(out.users))
+            bns = [u for u in out.users if isinstance(mod(u), _BatchNorm)]
             if not bns: continue
-            if len(node.users) != 1:
+            if len(out.users) != 1:
                 for u in bns: self.skip(conv, mod(u), "the conv's output is used by more than the BN")
                 continue
             bnode = bns[0]
@@ -353,6 +369,11 @@ class _Fuser:
             calls_ = max(calls[node.target], calls[bnode.target])
             if self.why_not(conv, bn, calls_) is None: self.fuse(conv, bn, self.act_after(bn, follow(bnode)), calls=calls_)
             else: self.fuse(conv, bn, calls=calls_)   # records the reason
+        for node in graph.nodes:   # the BNs no conv fused with: say what feeds them
+            bn = mod(node)
+            if not isinstance(bn, _BatchNorm) or isinstance(bn, _FusedMixin) or id(bn) in self.bn_reason: continue
+            self.bn_reason[id(bn)] = f"BN's input is {_describe(node.args[0] if node.args else None, mod)}, not a conv"
+
 
     def untraceable(self, m, e):
         msg = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__

@@ -9,7 +9,7 @@ from clfast.guard import guard_model, unguard_model
 
 # the heaviest models (measured on 2 busy cores) step only with -m slow; their coverage is always checked
 SLOW = {'tv_resnext50_32x4d', 'densenet121', 'tresnet_m', 'cspresnet50', 'efficientnetv2_rw_t', 'dpn48b', 'tv_inception_v3',
-        'hrnet_w18_small', 'seresnext26d_32x4d', 'rexnet_100', 'tv_regnet_y_400mf'}
+        'hrnet_w18_small', 'seresnext26d_32x4d', 'rexnet_100', 'tv_regnet_y_400mf', 'mnasnet_050'}
 MEMORY = ['efficientnet_b0', 'mixnet_s', 'tf_efficientnet_b0', 'resnet18', 'tv_mobilenet_v3_small']
 
 def randomize_bn(m):

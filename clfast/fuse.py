@@ -243,7 +243,7 @@ for q, n, p, f in [
      _eff_plan([('conv_dw', 'bn1'), ('conv_pw', 'bn2')]), _ds_forward)]:
     register_block(q, n, p, f)
 
-# %% ../nbs/24_fuse.ipynb #78670865
+# %% ../nbs/24_fuse.ipynb #86630495
 def _describe(n, mod) -> str:
     "What an fx node computes, in words"
     if not isinstance(n, fx.Node): return 'a constant'
@@ -264,7 +264,7 @@ class _Fuser:
         self.report = FusionReport(mode)
         self.names = {}  # id -> qualified name (first), and how many places each module is registered at
         self.shared = Counter()
-        self.bn_reason, self.untraced = {}, {}   # id(BN) -> why it was not fused; module name -> why it did not trace
+        self.bn_reason, self.untraced, self.by_conv = {}, {}, set()   # id(BN) -> why it was not fused; module name -> why it did not trace
         for n,m in root.named_modules(remove_duplicate=False):
             self.names.setdefault(id(m), n); self.shared[id(m)] += 1
 
@@ -276,14 +276,16 @@ class _Fuser:
         if (r := _conv_why_not(conv)) is not None: return r
         if (r := fusable_bn(bn)) is not None: return r
         if bn.num_features != conv.out_channels: return "BN features differ from the conv's output channels"
-        if _conv_kind(conv) == 'mixed' and bn.momentum is None and bn.training and bn.track_running_stats:
-            return "a MixedConv2d is fused with BN momentum=None (cumulative average) only in eval"
+        if _conv_kind(conv) == 'mixed' and bn.momentum is None:   # each split would need the bumped num_batches_tracked
+            return "a MixedConv2d is not fused with a BN of momentum=None (cumulative average)"
         if max(self.shared[id(conv)], self.shared[id(bn)], calls) > 1: return "conv or BN is shared or called more than once"
         return self.check(conv, bn) if self.check else None
 
     def skip(self, conv, bn, reason):
         self.report.skipped.append((self.name(conv), reason))
-        if bn is not None: self.bn_reason.setdefault(id(bn), f"{reason} (conv {self.name(conv)})")
+        if bn is not None:
+            self.bn_reason.setdefault(id(bn), f"{reason} (conv {self.name(conv)})")
+            self.by_conv.add(id(bn))
 
     def fuse(self, conv, bn, act_mod=None, act=None, add=False, calls=1):
         "Fuse `conv` → `bn` (→ `act_mod`, a module only this chain uses, or `act`, a spec) (+ add); False with the reason recorded if not"
@@ -400,9 +402,8 @@ class _Fuser:
             if id(m) in self.bn_reason: why = self.bn_reason[id(m)]
             elif not isinstance(m, nn.BatchNorm2d): why = f"{type(m).__name__}: only 2D conv → BN is fused"
             elif parent in self.untraced: why = f"its parent's forward does not trace with torch.fx ({self.untraced[parent]})"
-            else:
-                why = "BN not directly after a conv whose output only it uses"
-                if n not in done: self.report.skipped.append((n, why))
+            else: why = "BN not directly after a conv whose output only it uses"
+            if id(m) not in self.by_conv and n not in done: self.report.skipped.append((n, why))
             self.report.unfused.append((n, why))
         return self.report
 

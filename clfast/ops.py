@@ -30,13 +30,19 @@ def acc_dtype(dt:torch.dtype) -> torch.dtype:
     "The accumulation / per-channel dtype for inputs of dtype `dt`: float64 for float64, float32 otherwise"
     return torch.float64 if dt == torch.float64 else torch.float32
 
-# %% ../nbs/21_ops.ipynb #f8b644f9
+# %% ../nbs/21_ops.ipynb #52e7e1c9
 PARAM_ROWS = ('mean', 'invstd', 'scale', 'shift', 'var')
 
 def _conv(x, w, b, stride, padding, dilation, groups):
     return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False, [0, 0], groups)
 
 def _empty(t:Tensor) -> Tensor: return t.new_empty(0)
+
+def _fresh(rows:Tensor, like:Tensor) -> Tensor:
+    "`[M, C]` rows as a new channels-last tensor shaped like `like` (not a view: an op's outputs may be modified in place)"
+    out = torch.empty_like(like, memory_format=torch.channels_last)
+    as_rows(out).copy_(rows)
+    return out
 def _given(t:Optional[Tensor]) -> bool: return t is not None and t.numel() > 0
 
 def _act_of(code:int) -> Act:
@@ -58,7 +64,7 @@ def ref_layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, stri
     shift = -mean * scale if bn_bias is None else bn_bias.to(acc) - mean * scale
     z = r * scale + shift
     if residual is not None: z = z + as_rows(residual).to(acc)
-    out = from_rows(_act_of(act)(z, act_param).to(y.dtype), y)
+    out = _fresh(_act_of(act)(z, act_param), y)
     return out, (y if keep_y else _empty(y)), torch.stack([mean, invstd, scale, shift, var])
 
 def ref_layer_bwd(dout, x, weight, bias, y, params, residual, out, stride, padding, dilation, groups, training, act,
@@ -83,7 +89,7 @@ def ref_layer_bwd(dout, x, weight, bias, y, params, residual, out, stride, paddi
                                                          stride, padding, dilation, False, [0, 0], groups,
                                                          [needs[0], needs[1], needs[2] and bias is not None])
     res = (dx, dw, db, sum_dzx if needs[3] else None, sum_dz if needs[4] else None,
-           from_rows(dz.to(y.dtype), y) if needs[5] else None)
+           _fresh(dz, y) if needs[5] else None)
     return tuple(_empty(params) if t is None else t for t in res)
 
 # %% ../nbs/21_ops.ipynb #d48c034f

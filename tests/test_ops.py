@@ -80,6 +80,7 @@ def check(dt, act, p, res, training, keep_y, affine=True, bias=True, shape=(2, 6
     out = ops.fused_conv_bn(got_in[0], got_in[1], gb, gbw, gbb, grm, grv, nbt,
                             training, 0.1, 1e-5, (1, 1), (1, 1), (1, 1), 1, gr, act, p, keep_y)
     assert out.dtype == dt and out.is_contiguous(memory_format=torch.channels_last)
+    assert out._base is None, "a backend's output must not be a view (the next module may modify it in place)"
     tout, tgrad = TOL[dt]
     _close(out.cpu(), exp.detach(), tout, f'output ({act})')
     got_grads = torch.autograd.grad(out, got_in, dout.to(device, dt))

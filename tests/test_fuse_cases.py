@@ -1,0 +1,129 @@
+"Surgery v2 cases on small modules: timm / torchvision / fastai layers, any fusable activation, and bad input left unfused with a reason"
+import copy, pickle
+import pytest, torch, timm, torchvision
+from torch import nn
+from timm.layers import BatchNormAct2d, ConvNormAct, MixedConv2d, create_conv2d
+from timm.layers.conv2d_same import Conv2dSame
+from torchvision.ops import Conv2dNormActivation
+from fastai.layers import ConvLayer, NormType
+from clfast.fused import FusedConvBN2d
+from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, fusion_report, is_fused
+
+def same_step(m, x, tol=1e-9, fused_bns=None):
+    "Fuse a copy of `m`; training step, running stats, eval, pickle and unfuse all as the stock module; returns the report"
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for b in m.modules():
+            if isinstance(b, nn.BatchNorm2d) and b.affine: b.weight.uniform_(0.5, 1.5); b.bias.uniform_(-0.2, 0.2)
+    ref, f = m.double(), copy.deepcopy(m).double()
+    types, keys = [type(c) for c in ref.modules()], list(ref.state_dict())
+    fuse_conv_bn(f)
+    r = fusion_report(f)
+    if fused_bns is not None: assert r.n_bn - len(r.unfused) == fused_bns, r
+    assert list(f.state_dict()) == keys
+    x = x.double()
+    for mod in (ref, f): mod.train()
+    o = [mm(x) for mm in (ref, f)]
+    torch.testing.assert_close(o[1], o[0], rtol=tol, atol=tol / 10)
+    for oo in o: oo.square().sum().backward()
+    # gradients relative to their own size, floored at 1e-3 of the largest (a BN bias before another BN has gradient 0 + rounding)
+    big = max(p.grad.norm().item() for p in ref.parameters())
+    for (n, p), q in zip(ref.named_parameters(), f.parameters()):
+        assert (q.grad - p.grad).norm() <= 100 * tol * max(p.grad.norm().item(), 1e-3 * big), n
+    for (k, v), w in zip(ref.state_dict().items(), f.state_dict().values()): torch.testing.assert_close(w, v, rtol=tol, atol=tol / 10, msg=k)
+    for mod in (ref, f): mod.eval()
+    with torch.no_grad(): torch.testing.assert_close(f(x), ref(x), rtol=tol, atol=tol / 10)
+    assert [type(c) for c in pickle.loads(pickle.dumps(f)).modules()] == types
+    r2 = copy.deepcopy(r)
+    unfuse_conv_bn(f)
+    assert [type(c) for c in f.modules()] == types and not is_fused(f)
+    return r2
+
+def reasons(r): return dict(r.unfused)
+
+def test_batchnormact_and_convnormact():
+    m = nn.Sequential(ConvNormAct(3, 8, 3, act_layer=nn.SiLU), ConvNormAct(8, 8, 3, stride=2, act_layer=nn.Hardswish),
+                      ConvNormAct(8, 4, 1, apply_act=False), nn.GELU())
+    r = same_step(m, torch.randn(2, 3, 9, 9), fused_bns=3)
+    assert [p for _, p in r.fused] == ['conv-bn-silu', 'conv-bn-hardswish', 'conv-bn-gelu']
+
+def test_conv2d_same():
+    "timm's dynamic 'same' padding (asymmetric for stride 2 on an odd size): padded first, then the fused conv"
+    m = nn.Sequential(Conv2dSame(3, 8, 3, stride=2), BatchNormAct2d(8, act_layer=nn.ReLU6),
+                      Conv2dSame(8, 8, 4), nn.BatchNorm2d(8), nn.LeakyReLU(0.1))
+    r = same_step(m, torch.randn(2, 3, 11, 10), fused_bns=2)
+    assert [p for _, p in r.fused] == ['conv-bn-relu6', 'conv-bn-leaky_relu']
+
+def test_mixed_conv2d():
+    "Each split conv runs fused with its slice of the one BN; num_batches_tracked is bumped once"
+    m = nn.Sequential(MixedConv2d(6, 10, [3, 5, 7], stride=2, depthwise=False), BatchNormAct2d(10, act_layer=nn.SiLU),
+                      MixedConv2d(10, 10, [3, 5], depthwise=True, padding='same'), nn.BatchNorm2d(10))
+    r = same_step(m, torch.randn(2, 6, 9, 9), fused_bns=2)
+    assert all(p.startswith('mixed') for _, p in r.fused)
+
+def test_torchvision_and_fastai_layers():
+    m = nn.Sequential(Conv2dNormActivation(3, 8, activation_layer=nn.Hardswish), ConvLayer(8, 8, act_cls=nn.LeakyReLU),
+                      ConvLayer(8, 8, norm_type=NormType.BatchZero, act_cls=nn.SiLU), ConvLayer(8, 4, act_cls=None))
+    r = same_step(m, torch.randn(2, 3, 8, 8), fused_bns=4)
+    assert [p for _, p in r.fused] == ['conv-bn-hardswish', 'conv-bn-leaky_relu', 'conv-bn-silu', 'conv-bn']
+
+class Net(nn.Module):
+    "conv → Identity → BN → Identity → act in a traced forward"
+    def __init__(self):
+        super().__init__()
+        self.conv, self.i1, self.bn, self.i2, self.act = nn.Conv2d(3, 4, 3), nn.Identity(), nn.BatchNorm2d(4), nn.Identity(), nn.GELU(approximate='tanh')
+    def forward(self, x): return self.act(self.i2(self.bn(self.i1(self.conv(x)))))
+
+def test_identity_in_between():
+    r = same_step(Net(), torch.randn(2, 3, 6, 6), fused_bns=1)
+    assert r.fused == [('conv', 'conv-bn-gelu_tanh')]
+
+@pytest.mark.parametrize('name', ['efficientnet_b0', 'mixnet_s', 'mobilenetv3_small_050'])
+def test_timm_blocks_fuse_the_add(name):
+    m = timm.create_model(name, pretrained=False, num_classes=4)
+    r = same_step(m, torch.randn(2, 3, 32, 32), tol=1e-7)   # BN over 1x1 maps of a batch of 2 amplifies rounding
+    assert r.coverage == 1 and any('add' in p for _, p in r.fused), r
+
+class MyBN(nn.BatchNorm2d):
+    def forward(self, x): return super().forward(x) * 2
+
+class MyConv(nn.Conv2d): pass
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+    def forward(self, x): return self.bn2(self.conv(self.bn(self.conv(x))))   # the conv is called twice
+
+def test_bad_input_left_unfused_with_reason():
+    m = nn.Sequential(
+        nn.Conv2d(3, 4, 3), MyBN(4),                                             # custom BN subclass
+        nn.Conv2d(4, 4, 3), BatchNormAct2d(4, act_layer=nn.Tanh),                # activation the op cannot apply
+        nn.Conv2d(4, 4, 3, padding=1, padding_mode='reflect'), nn.BatchNorm2d(4),  # padding the op cannot express
+        MyConv(4, 4, 1), nn.BatchNorm2d(4),                                      # conv subclass
+        nn.Conv2d(4, 4, 2, padding='same'), nn.BatchNorm2d(4),                   # even 'same': asymmetric
+        nn.Conv2d(4, 4, 1), BatchNormAct2d(4, drop_layer=nn.Dropout),            # drop after the activation
+        nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.Tanh(),                        # unknown act after BN: BN fused, act kept
+        Shared())
+    ref = copy.deepcopy(m)
+    fuse_conv_bn(m)
+    why = reasons(fusion_report(m))
+    assert 'MyBN' in why['1'] and 'Tanh' in why['3'] and 'padding' in why['5'] and 'MyConv' in why['7']
+    assert 'padding' in why['9'] and 'drop' in why['11'] and '13' not in why and type(m[14]) is nn.Tanh
+    assert 'called more than once' in why['15.bn'] and 'called more than once' in why['15.bn2']
+    assert len(why) == 8 and all(why.values())
+    x = torch.randn(2, 3, 12, 12)
+    ref.eval(); m.eval()   # (Dropout)
+    with torch.no_grad(): torch.testing.assert_close(m(x), ref(x), rtol=1e-5, atol=1e-6)
+
+def test_registered_twice_is_shared():
+    conv, bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+    m = nn.Sequential(conv, bn, nn.ReLU(), nn.Sequential(conv, bn))
+    fuse_conv_bn(m)
+    assert 'shared' in reasons(fusion_report(m))['1'] and not is_fused(m)
+
+def test_from_modules_refuses():
+    with pytest.raises(TypeError, match='MyBN'): FusedConvBN2d.from_modules(nn.Conv2d(3, 4, 1), MyBN(4))
+    with pytest.raises(TypeError, match='Conv2dSame'): FusedConvBN2d.from_modules(Conv2dSame(3, 4, 3), nn.BatchNorm2d(4))
+    with pytest.raises(ValueError, match='applies silu itself'):
+        FusedConvBN2d.from_modules(nn.Conv2d(3, 4, 1), BatchNormAct2d(4, act_layer=nn.SiLU), act='relu')

@@ -1,18 +1,26 @@
-"""Benchmark the BN(+add)(+ReLU) kernels of `clfast.ops`, side by side in one run.
+"""Benchmark the fused conv-BN layer's kernels, side by side in one run.
 
-CPU: forward+backward of the C++ kernel vs the pure-PyTorch reference vs stock `F.batch_norm` + `F.relu` (+ add) under
-autograd, on ResNet-50 activation shapes at batch 8, 160 px, fp32 and bf16; prints times and ratios.
+CPU: one training step (forward + backward) of a fused layer through `clfast.ops.fused_conv_bn` (the C++ backend) vs
+the pure-PyTorch reference backend vs stock conv + `F.batch_norm` + activation under autograd, on ResNet-50 and
+EfficientNet-B0 layer shapes at batch 16, 160 px, fp32; prints times and ratios.
 CUDA (when a GPU is present): achieved bandwidth of each Triton kernel vs a measured device-to-device copy
 (`y.clone()`) on ResNet-50 activation shapes at batch 256, 224 px, bf16 and fp16.
 
 Run under the shared CPU lock:  flock /tmp/clfast-cpu.lock python benchmarks/bench_kernels.py [--device cpu|cuda]
 """
-import argparse, statistics, time
+import argparse, os, statistics, time
+from unittest import mock
 import torch
 import torch.nn.functional as F
 from clfast import ops
+from clfast.act import ACTS
 
-CPU_SHAPES = [(8, 64, 80, 80), (8, 256, 40, 40), (8, 512, 20, 20), (8, 1024, 10, 10)]
+# (name, N, Cin, H, Cout, kernel, stride, groups, act): a ResNet-50 bottleneck's 3x3 and 1x1 convs, and
+# EfficientNet-B0's depthwise 3x3 / 5x5 and pointwise convs, at batch 16, 160 px
+CPU_LAYERS = [('r50 3x3 64', 16, 64, 40, 64, 3, 1, 1, 'relu'), ('r50 1x1 64->256', 16, 64, 40, 256, 1, 1, 1, 'none'),
+              ('r50 3x3 256', 16, 256, 10, 256, 3, 1, 1, 'relu'),
+              ('eff dw3x3 96', 16, 96, 80, 96, 3, 2, 96, 'silu'), ('eff dw5x5 240', 16, 240, 20, 240, 5, 1, 240, 'silu'),
+              ('eff 1x1 240->40', 16, 240, 20, 40, 1, 1, 1, 'none'), ('eff 1x1 40->240', 16, 40, 20, 240, 1, 1, 1, 'silu')]
 CUDA_SHAPES = [(256, 64, 112, 112), (256, 256, 56, 56), (256, 512, 28, 28), (256, 1024, 14, 14), (256, 2048, 7, 7)]
 
 def make(shape, dtype, device, res):
@@ -23,48 +31,43 @@ def make(shape, dtype, device, res):
     r = torch.randn(shape, device=device).to(dtype).contiguous(**cl) if res else None
     return y, w, b, r, torch.randn(shape, device=device).to(dtype).contiguous(**cl)
 
-def clfast_step(y, w, b, r, g, stats=ops.bn_stats, fwd=ops.bn_act_fwd, bwd=ops.bn_act_bwd):
-    "Training-mode forward + backward through the fused ops"
-    mean, var = stats(y)
-    invstd = (var + 1e-5).rsqrt()
-    fwd(y, mean, invstd, w, b, r, True)
-    return bwd(g, y, mean, invstd, w, b, r, True, True)
+def layer(name, n, cin, h, cout, k, stride, groups, act):
+    "Inputs of one layer, channels-last fp32, and its geometry"
+    cl = torch.channels_last
+    x = torch.randn(n, cin, h, h).to(memory_format=cl).requires_grad_()
+    w = (torch.randn(cout, cin // groups, k, k) * 0.1).to(memory_format=cl).requires_grad_()
+    bw, bb = (torch.rand(cout) + .5).requires_grad_(), torch.randn(cout).requires_grad_()
+    return x, w, bw, bb, (stride, stride), (k // 2, k // 2), groups, act
 
-def ref_step(y, w, b, r, g):
-    return clfast_step(y, w, b, r, g, ops.ref_bn_stats, ops.ref_bn_act_fwd, ops.ref_bn_act_bwd)
+def fused_step(x, w, bw, bb, stride, pad, groups, act):
+    rm, rv, nbt = torch.zeros(w.shape[0]), torch.ones(w.shape[0]), torch.zeros((), dtype=torch.long)
+    out = ops.fused_conv_bn(x, w, None, bw, bb, rm, rv, nbt, True, 0.1, 1e-5, stride, pad, (1, 1), groups, act=act)
+    torch.autograd.grad(out, (x, w, bw, bb), torch.ones_like(out))
 
-def stock_step(y, w, b, r, g):
-    "Stock `F.batch_norm` (+ add) + `F.relu`, forward + backward with autograd"
-    y, w, b = y.detach().requires_grad_(), w.detach().requires_grad_(), b.detach().requires_grad_()
-    inputs = [y, w, b]
-    rm, rv = torch.zeros_like(w), torch.ones_like(w)
-    z = F.batch_norm(y, rm, rv, w, b, training=True, eps=1e-5)
-    if r is not None:
-        r = r.detach().requires_grad_(); inputs.append(r)
-        z = z + r
-    return torch.autograd.grad(F.relu(z), inputs, g)
+def ref_step(*a):
+    with mock.patch.dict(os.environ, {'CLFAST_KERNELS': 'ref'}): fused_step(*a)
+
+def stock_step(x, w, bw, bb, stride, pad, groups, act):
+    rm, rv = torch.zeros(w.shape[0]), torch.ones(w.shape[0])
+    out = ACTS[act](F.batch_norm(F.conv2d(x, w, None, stride, pad, 1, groups), rm, rv, bw, bb, True, 0.1, 1e-5), 0.)
+    torch.autograd.grad(out, (x, w, bw, bb), torch.ones_like(out))
 
 def bench_cpu(reps):
-    print(f"CPU, {torch.get_num_threads()} threads; fwd+bwd of BN(+add)+ReLU, training statistics; "
-          f"median (and best) of {reps} interleaved rounds")
+    print(f"CPU, {torch.get_num_threads()} threads; one training step (fwd+bwd) of conv + BN + act, fp32, channels-last; "
+          f"median of {reps} interleaved rounds")
     ops.kernel_backend('cpu')     # build/load the C++ kernels before timing
-    print(f"{'shape':>20} {'dtype':>9} {'add':>4} {'C++ ms':>8} {'ref ms':>8} {'stock ms':>9} "
-          f"{'stock/C++':>10} {'ref/C++':>8} {'stock/C++ (best)':>17}")
-    for dtype in (torch.float32, torch.bfloat16):
-        for shape in CPU_SHAPES:
-            for res in (False, True):
-                args = make(shape, dtype, 'cpu', res)
-                fns = dict(cpp=clfast_step, ref=ref_step, stock=stock_step)
-                times = {k: [] for k in fns}
-                for f in fns.values(): f(*args)            # warm up
-                for _ in range(reps):                      # interleave, so drift hits all three alike
-                    for k, f in fns.items():
-                        t = time.perf_counter(); f(*args); times[k].append(time.perf_counter() - t)
-                t = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-                best = {k: min(v) for k, v in times.items()}
-                print(f"{str(list(shape)):>20} {str(dtype)[6:]:>9} {'yes' if res else 'no':>4} {t['cpp']:8.2f} "
-                      f"{t['ref']:8.2f} {t['stock']:9.2f} {t['stock']/t['cpp']:10.2f} {t['ref']/t['cpp']:8.2f} "
-                      f"{best['stock']/best['cpp']:17.2f}")
+    print(f"{'layer':>18} {'act':>5} {'C++ ms':>8} {'ref ms':>8} {'stock ms':>9} {'stock/C++':>10} {'ref/C++':>8}")
+    for spec in CPU_LAYERS:
+        args = layer(*spec)
+        fns = dict(cpp=fused_step, ref=ref_step, stock=stock_step)
+        times = {k: [] for k in fns}
+        for f in fns.values(): f(*args)            # warm up
+        for i in range(reps):                      # interleaved, order reversed every other round: drift hits all alike
+            for k in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+                t = time.perf_counter(); fns[k](*args); times[k].append(time.perf_counter() - t)
+        t = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"{spec[0]:>18} {spec[-1]:>5} {t['cpp']:8.2f} {t['ref']:8.2f} {t['stock']:9.2f} "
+              f"{t['stock']/t['cpp']:10.2f} {t['ref']/t['cpp']:8.2f}")
 
 def cuda_time(f, reps=20):
     "Median milliseconds of `f()` on the current stream, by CUDA events"

@@ -82,10 +82,9 @@ def _guarded(f):
 
 @pytest.mark.parametrize('mode', ['speed', 'memory'])
 @pytest.mark.parametrize('train', [True, False])
-@pytest.mark.parametrize('act,res', [('relu', True), ('none', True), ('relu', False), ('silu', True),
-                                     ('leaky_relu', False), ('gelu_tanh', False)])
-@pytest.mark.parametrize('path', PATHS)
-def test_gradcheck(mode, train, act, res, path):
+@pytest.mark.parametrize('act,res', [('relu', True), ('silu', True), ('leaky_relu', False)])
+def test_gradcheck(mode, train, act, res, path='kernel'):
+    "fp64 gradcheck of the module's function (the op itself is gradchecked per backend and activation in test_ops)"
     f = FusedConvBN2d(3, 4, 3, stride=2, padding=1, bias=True, act=act, act_param=act_param(act), mode=mode,
                       dtype=torch.float64)
     with torch.no_grad(): f.bn.weight.uniform_(0.5, 1.5); f.bn.bias.uniform_(-0.5, 0.5); f.bn.running_var.fill_(1.5)

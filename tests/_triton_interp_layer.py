@@ -44,8 +44,11 @@ def _train_step_matches(make, x, **tol):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-9, atol=1e-9)
     # gradients by relative norm: a max-pool window with two maxima equal to the last bits routes its gradient to
     # either one, a rounding-level difference that moves whole gradient entries (seen on resnet18's stem, fp64)
+    # a gradient that cancels to ~0 (a BN bias whose every path runs through another batch-statistics BN) is compared
+    # at the scale of the largest gradient
+    floor = 1e-6 * max(g.norm() for g in grads[0].values())
     for n in grads[0]:
-        err = (grads[1][n] - grads[0][n]).norm() / grads[0][n].norm().clamp_min(1e-30)
+        err = (grads[1][n] - grads[0][n]).norm() / grads[0][n].norm().clamp_min(floor)
         assert err < tol['rtol'], f"{n}: gradient differs by {err:.2e} of its norm"
     sa, sb = stock.state_dict(), fused.state_dict()
     assert list(sa) == list(sb)
@@ -58,7 +61,8 @@ def test_resnet_step():
                         rtol=1e-5)
 
 def test_efficientnet_step():
+    "tinynet_e: timm's EfficientNet (DepthwiseSeparable and InvertedResidual blocks, SE, SiLU) at a size the interpreter runs quickly"
     import timm
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64).to(memory_format=torch.channels_last)
-    _train_step_matches(lambda: timm.create_model('efficientnet_b0', num_classes=4).to(memory_format=torch.channels_last),
+    _train_step_matches(lambda: timm.create_model('tinynet_e', num_classes=4).to(memory_format=torch.channels_last),
                         x, rtol=1e-5)

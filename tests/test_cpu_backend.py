@@ -133,6 +133,13 @@ def test_layer_wide(k, name, p, residual, training, dtype):
     scalar tail, in every pass (test_layer's 5 channels run the tail alone)"""
     test_layer(k, name, p, True, True, residual, training, dtype, cout=37)
 
+def test_simd_width(k):
+    "The kernels use ATen's AVX2 vectors where the compiler targets AVX2 (-march=native): 8 floats a vector"
+    cap, lanes = torch.ops.clfast_cpu.simd_info()
+    flags = set(cpu_kernels.cpu_isa().split())
+    if {'avx2', 'fma', 'f16c'} <= flags: assert (cap, lanes) == ('avx2', 8)
+    else: assert lanes >= 1
+
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)
 def test_act_formulas(k, name, p, dtype):

@@ -93,15 +93,15 @@ def bwd(k, c, name, p, y, params, training, out=None, needs=None):
 @pytest.mark.parametrize('bias,affine', [(False, True), (True, False), (True, True), (False, False)],
                          ids=['affine', 'bias', 'bias+affine', 'plain'])
 @pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)
-def test_layer(k, name, p, bias, affine, residual, training, dtype):
-    c = make_case(dtype, bias, affine, residual, training)
+def test_layer(k, name, p, bias, affine, residual, training, dtype, cout=5):
+    c = make_case(dtype, bias, affine, residual, training, cout=cout)
     want_out, want_params, want_grads, db_scale = oracle(c, name, p, training, dtype)
     tol_out, tol_grad = TOL[dtype]
     out, y, params = fwd(k, c, name, p, True)
     out2, y2, params2 = fwd(k, c, name, p, False)         # memory mode: no y
     assert out.dtype == dtype and out.is_contiguous(memory_format=CL)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
-    assert params.dtype == acc and params.shape == (5, 5) and params.is_contiguous()
+    assert params.dtype == acc and params.shape == (5, cout) and params.is_contiguous()
     assert y.shape == out.shape and y.dtype == dtype and y2.numel() == 0
     assert torch.equal(out, out2) and torch.equal(params, params2)
     assert_close(out, want_out, tol_out, 'out')
@@ -123,6 +123,22 @@ def test_layer(k, name, p, bias, affine, residual, training, dtype):
 def test_layer_fp16(k, name, p, training):
     "fp16 runs the same templates as bf16: a few cases"
     test_layer(k, name, p, True, True, True, training, torch.float16)
+
+@pytest.mark.parametrize('dtype', DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize('training', [True, False], ids=['train', 'eval'])
+@pytest.mark.parametrize('residual', [False, True], ids=['', 'res'])
+@pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)
+def test_layer_wide(k, name, p, residual, training, dtype):
+    """37 channels: the kernels' vector loops over C (8 floats or 16 bf16/fp16 per step on AVX2, 4 doubles) and their
+    scalar tail, in every pass (test_layer's 5 channels run the tail alone)"""
+    test_layer(k, name, p, True, True, residual, training, dtype, cout=37)
+
+def test_simd_width(k):
+    "The kernels use ATen's AVX2 vectors where the compiler targets AVX2 (-march=native): 8 floats a vector"
+    cap, lanes = torch.ops.clfast_cpu.simd_info()
+    flags = set(cpu_kernels.cpu_isa().split())
+    if {'avx2', 'fma', 'f16c'} <= flags: assert (cap, lanes) == ('avx2', 8)
+    else: assert lanes >= 1
 
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)

@@ -1,11 +1,16 @@
 // The activations of a fused layer: the ONE place in C++ where their formulas live. Codes are those of
 // `clfast.act.ACTS` (clfast/act.py). Every function is a template on the code, so a kernel picks the activation once,
-// outside its loops (`dispatch`), and the loops over C stay branch-free and vectorizable (the piecewise activations
-// are selects; silu and the gelus call exp/erf/tanh, which the compiler does not vectorize without -ffast-math).
-// `T` is the opmath type (float; double for double tensors); `p` the activation's parameter (leaky_relu's slope).
+// outside its loops (`dispatch`), and the loops over C stay branch-free.
+// Each formula is written once, as a template on `V`: the opmath scalar `T` (float; double for double tensors) or
+// ATen's `Vectorized<T>` (simd.h), so the kernels run the same formula on vectors of channels and on the scalar tail.
+// The operations that differ between the two are simd.h's: exp/erf/tanh (std:: or ATen's vectorized ones, as stock
+// PyTorch's vectorized silu/gelu kernels), neg, min/max, and the selects `sel(cond, a, b)` (cond ? a : b) and
+// `both(c, d)` (c && d) that the piecewise activations are written with; `k<V>(x)` is a constant.
+// `p` is the activation's parameter (leaky_relu's slope), of type V too.
 // Backward conventions are PyTorch's: the `grad` functions compute what its backward kernels compute from `g`
 // (including which side of a boundary gets the gradient and what a NaN input does).
 #pragma once
+#include "simd.h"  // first: it picks the CPU capability of ATen's vec headers
 #include <c10/util/Exception.h>
 #include <algorithm>
 #include <cmath>
@@ -23,52 +28,57 @@ constexpr double kTanhBeta = 0.79788456080286535588;                // sqrt(2/pi
 constexpr double kTanhKappa = 0.044715;
 
 // Forward: act(z)
-template <int A, typename T> inline T f(T z, T p) {
+template <int A, typename V> inline V f(V z, V p) {
+  using namespace simd;
   if constexpr (A == kNone) return z;
-  else if constexpr (A == kRelu) return z < T(0) ? T(0) : z;                      // NaN passes, as torch.relu
-  else if constexpr (A == kRelu6) return z < T(0) ? T(0) : (z > T(6) ? T(6) : z);  // hardtanh(0, 6)
-  else if constexpr (A == kLeaky) return z > T(0) ? z : z * p;
-  else if constexpr (A == kSilu) return z / (T(1) + std::exp(-z));
-  else if constexpr (A == kHardswish) return z * std::min(std::max(z + T(3), T(0)), T(6)) / T(6);
-  else if constexpr (A == kGelu) return z * T(0.5) * (T(1) + std::erf(z * T(kSqrt1_2)));
+  else if constexpr (A == kRelu) return sel(z < k<V>(0), k<V>(0), z);              // NaN passes, as torch.relu
+  else if constexpr (A == kRelu6) return sel(z < k<V>(0), k<V>(0), sel(z > k<V>(6), k<V>(6), z));  // hardtanh(0, 6)
+  else if constexpr (A == kLeaky) return sel(z > k<V>(0), z, z * p);
+  else if constexpr (A == kSilu) return z / (k<V>(1) + simd::exp(neg(z)));
+  else if constexpr (A == kHardswish) return z * simd::min(simd::max(z + k<V>(3), k<V>(0)), k<V>(6)) / k<V>(6);
+  else if constexpr (A == kGelu) return z * k<V>(0.5) * (k<V>(1) + simd::erf(z * k<V>(kSqrt1_2)));
   else if constexpr (A == kGeluTanh) {
-    const T inner = T(kTanhBeta) * (z + T(kTanhKappa) * z * z * z);
-    return T(0.5) * z * (T(1) + std::tanh(inner));
+    const V inner = k<V>(kTanhBeta) * (z + k<V>(kTanhKappa) * z * z * z);
+    return k<V>(0.5) * z * (k<V>(1) + simd::tanh(inner));
   } else static_assert(A < 0, "unknown activation code");
 }
 
 // Derivative act'(z)
-template <int A, typename T> inline T df(T z, T p) {
-  if constexpr (A == kNone) return T(1);
-  else if constexpr (A == kRelu) return z > T(0) ? T(1) : T(0);
-  else if constexpr (A == kRelu6) return (z > T(0) && z < T(6)) ? T(1) : T(0);
-  else if constexpr (A == kLeaky) return z > T(0) ? T(1) : p;
+template <int A, typename V> inline V df(V z, V p) {
+  using namespace simd;
+  if constexpr (A == kNone) return k<V>(1);
+  else if constexpr (A == kRelu) return sel(z > k<V>(0), k<V>(1), k<V>(0));
+  else if constexpr (A == kRelu6) return sel(both(z > k<V>(0), z < k<V>(6)), k<V>(1), k<V>(0));
+  else if constexpr (A == kLeaky) return sel(z > k<V>(0), k<V>(1), p);
   else if constexpr (A == kSilu) {
-    const T s = T(1) / (T(1) + std::exp(-z));
-    return s * (T(1) + z * (T(1) - s));
+    const V s = k<V>(1) / (k<V>(1) + simd::exp(neg(z)));
+    return s * (k<V>(1) + z * (k<V>(1) - s));
   } else if constexpr (A == kHardswish) {
     // 0 at z == -3 and 1 at z == 3 exactly, as stock's hardswish_backward
-    return z <= T(-3) ? T(0) : (z >= T(3) ? T(1) : z / T(3) + T(0.5));
+    return sel(z <= k<V>(-3), k<V>(0), sel(z >= k<V>(3), k<V>(1), z / k<V>(3) + k<V>(0.5)));
   } else if constexpr (A == kGelu) {
-    const T cdf = T(0.5) * (T(1) + std::erf(z * T(kSqrt1_2)));
-    const T pdf = T(kErfPdf) * std::exp(T(-0.5) * z * z);
+    const V cdf = k<V>(0.5) * (k<V>(1) + simd::erf(z * k<V>(kSqrt1_2)));
+    const V pdf = k<V>(kErfPdf) * simd::exp(k<V>(-0.5) * z * z);
     return cdf + z * pdf;
   } else if constexpr (A == kGeluTanh) {
-    const T z2 = z * z;
-    const T t = std::tanh(T(kTanhBeta) * (z + T(kTanhKappa) * z2 * z));
-    return T(0.5) * (T(1) + t) + T(0.5) * z * (T(1) - t * t) * T(kTanhBeta) * (T(1) + T(3 * kTanhKappa) * z2);
+    const V z2 = z * z;
+    const V t = simd::tanh(k<V>(kTanhBeta) * (z + k<V>(kTanhKappa) * z2 * z));
+    return k<V>(0.5) * (k<V>(1) + t) +
+           k<V>(0.5) * z * (k<V>(1) - t * t) * k<V>(kTanhBeta) * (k<V>(1) + k<V>(3 * kTanhKappa) * z2);
   } else static_assert(A < 0, "unknown activation code");
 }
 
 // The gradient dz = g * act'(z), as PyTorch's (vectorized) CPU backward kernels compute it: the piecewise
 // activations select, so a zero derivative gives 0 even for an infinite g, and a NaN z gives what stock gives:
 // relu g (threshold_backward), relu6 0 (hardtanh_backward), leaky_relu g*slope, hardswish NaN.
-template <int A, typename T> inline T grad(T g, T z, T p) {
+template <int A, typename V> inline V grad(V g, V z, V p) {
+  using namespace simd;
   if constexpr (A == kNone) return g;
-  else if constexpr (A == kRelu) return z <= T(0) ? T(0) : g;
-  else if constexpr (A == kRelu6) return (z > T(0) && z < T(6)) ? g : T(0);
-  else if constexpr (A == kLeaky) return z > T(0) ? g : g * p;
-  else if constexpr (A == kHardswish) return z <= T(-3) ? T(0) : (z >= T(3) ? g : g * (z / T(3) + T(0.5)));
+  else if constexpr (A == kRelu) return sel(z <= k<V>(0), k<V>(0), g);
+  else if constexpr (A == kRelu6) return sel(both(z > k<V>(0), z < k<V>(6)), g, k<V>(0));
+  else if constexpr (A == kLeaky) return sel(z > k<V>(0), g, g * p);
+  else if constexpr (A == kHardswish)
+    return sel(z <= k<V>(-3), k<V>(0), sel(z >= k<V>(3), g, g * (z / k<V>(3) + k<V>(0.5))));
   else return g * df<A>(z, p);
 }
 
@@ -80,19 +90,21 @@ inline bool grad_from_out(int64_t code, double p) {
 }
 
 // act'(z) and dz read from out = act(z), for the activations where that is exact
-template <int A, typename T> inline T df_out(T out, T p) {
+template <int A, typename V> inline V df_out(V out, V p) {
+  using namespace simd;
   static_assert(has_grad_from_out<A>(), "this activation's derivative cannot be read from its output");
-  if constexpr (A == kNone) return T(1);
-  else if constexpr (A == kRelu) return out > T(0) ? T(1) : T(0);
-  else if constexpr (A == kRelu6) return (out > T(0) && out < T(6)) ? T(1) : T(0);
-  else return out > T(0) ? T(1) : p;                                               // leaky, slope >= 0
+  if constexpr (A == kNone) return k<V>(1);
+  else if constexpr (A == kRelu) return sel(out > k<V>(0), k<V>(1), k<V>(0));
+  else if constexpr (A == kRelu6) return sel(both(out > k<V>(0), out < k<V>(6)), k<V>(1), k<V>(0));
+  else return sel(out > k<V>(0), k<V>(1), p);                                      // leaky, slope >= 0
 }
-template <int A, typename T> inline T grad_out(T g, T out, T p) {
+template <int A, typename V> inline V grad_out(V g, V out, V p) {
+  using namespace simd;
   static_assert(has_grad_from_out<A>(), "this activation's derivative cannot be read from its output");
   if constexpr (A == kNone) return g;
-  else if constexpr (A == kRelu) return out <= T(0) ? T(0) : g;   // PyTorch's relu backward reads its result too
-  else if constexpr (A == kRelu6) return (out > T(0) && out < T(6)) ? g : T(0);
-  else return out > T(0) ? g : g * p;
+  else if constexpr (A == kRelu) return sel(out <= k<V>(0), k<V>(0), g);  // PyTorch's relu backward reads its result too
+  else if constexpr (A == kRelu6) return sel(both(out > k<V>(0), out < k<V>(6)), g, k<V>(0));
+  else return sel(out > k<V>(0), g, g * p);
 }
 
 // Calls fn(std::integral_constant<int, A>{}) for the activation `code`: the one switch, outside the loops

@@ -1,10 +1,12 @@
 // CPU kernels for the elementwise/statistics half of a fused layer, act(bn(y) [+ residual]) (act: act.h).
 // Every tensor is read as a row-major [M, C] matrix: a contiguous [M, C] tensor, or the memory of a channels-last
-// N,C,H,W (or N,C,D,H,W) tensor. Loops run over rows in parallel (at::parallel_for) and over C innermost, where the
-// compiler vectorizes them. fp16/bf16 accumulate in fp32 blocks of rows that are summed in fp64; fp64 input
+// N,C,H,W (or N,C,D,H,W) tensor. Loops run over rows in parallel (at::parallel_for) and over C innermost: the
+// normalize and backward loops explicitly vectorized (ATen's Vectorized, simd.h; act.h's formulas on vectors) with a
+// scalar tail of the same formulas, the statistics loop by the compiler. fp16/bf16 accumulate in fp32 blocks of rows that are summed in fp64; fp64 input
 // accumulates in fp64. Per-channel arrays are in opmath (float; double for double tensors).
 // The kernels make no tensor-op calls (no dispatcher round trips): conv_bn_act.cpp runs a whole layer around them.
 // Each loop is instantiated per dtype, activation, mask kind and residual (the switches sit outside the loops).
+#include "act.h"  // first: simd.h picks the CPU capability of ATen's vec headers
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -12,7 +14,6 @@
 #include <algorithm>
 #include <cmath>
 #include <vector>
-#include "act.h"
 #include "bn_act.h"
 
 using at::Tensor;
@@ -20,6 +21,7 @@ using clfast_cpu::BwdArgs;
 using clfast_cpu::Mask;
 using clfast_cpu::is_rows;
 namespace act = clfast_cpu::act;
+using clfast_cpu::simd::IO;
 
 namespace {
 
@@ -91,13 +93,28 @@ template <typename scalar_t, int A, bool R>
 void normalize_impl(const scalar_t* xp, int64_t m, int64_t c, const at::opmath_type<scalar_t>* sc,
                     const at::opmath_type<scalar_t>* sh, const scalar_t* rp, double act_param, scalar_t* op) {
   using opmath_t = at::opmath_type<scalar_t>;
+  using io = IO<scalar_t>;
+  using Vo = typename io::Vo;
   const opmath_t p = opmath_t(act_param);
+  const Vo pv(p);
   at::parallel_for(0, m, row_grain(c), [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
       const scalar_t* __restrict__ xr = xp + r * c;
       const scalar_t* __restrict__ rr = R ? rp + r * c : nullptr;
       scalar_t* __restrict__ o = op + r * c;
-      for (int64_t j = 0; j < c; ++j) {
+      int64_t j = 0;
+      for (; j + io::kStep <= c; j += io::kStep) {
+        typename io::Vs z = io::load(xr + j);
+        typename io::Vs rv;
+        if constexpr (R) rv = io::load(rr + j);
+        for (int i = 0; i < io::kParts; ++i) {
+          z[i] = z[i] * io::chan(sc, j, i) + io::chan(sh, j, i);
+          if constexpr (R) z[i] = z[i] + rv[i];
+          z[i] = act::f<A>(z[i], pv);
+        }
+        io::store(o + j, z);
+      }
+      for (; j < c; ++j) {
         opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j];
         if constexpr (R) z += opmath_t(rr[j]);
         o[j] = scalar_t(act::f<A>(z, p));
@@ -106,13 +123,17 @@ void normalize_impl(const scalar_t* xp, int64_t m, int64_t c, const at::opmath_t
   });
 }
 
-// The gradient dz at element j of a row, the mask kind and activation fixed at compile time so every loop vectorizes
+// The gradient dz at element j of a row (`dz`), or at the vector step starting at j (`dzv`), the mask kind and
+// activation fixed at compile time
 template <typename scalar_t, Mask M, int A, bool R>
 struct Rows {
   using opmath_t = at::opmath_type<scalar_t>;
+  using io = IO<scalar_t>;
+  using Vo = typename io::Vo;
   const scalar_t *g, *x, *res, *out;
   const opmath_t *sc, *sh;
   opmath_t p;
+  Vo pv;
   inline opmath_t dz(int64_t j) const {
     const opmath_t gj = opmath_t(g[j]);
     if constexpr (M == Mask::none) return gj;
@@ -122,6 +143,23 @@ struct Rows {
       if constexpr (R) z += opmath_t(res[j]);
       return act::grad<A>(gj, z, p);
     }
+  }
+  inline typename io::Vs dzv(int64_t j) const {
+    typename io::Vs gv = io::load(g + j);
+    if constexpr (M == Mask::from_out) {
+      const typename io::Vs ov = io::load(out + j);
+      for (int i = 0; i < io::kParts; ++i) gv[i] = act::grad_out<A>(gv[i], ov[i], pv);
+    } else if constexpr (M == Mask::recompute) {
+      const typename io::Vs xv = io::load(x + j);
+      typename io::Vs rv;
+      if constexpr (R) rv = io::load(res + j);
+      for (int i = 0; i < io::kParts; ++i) {
+        Vo z = xv[i] * io::chan(sc, j, i) + io::chan(sh, j, i);
+        if constexpr (R) z = z + rv[i];
+        gv[i] = act::grad<A>(gv[i], z, pv);
+      }
+    }
+    return gv;
   }
 };
 
@@ -136,16 +174,29 @@ void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, c
   const opmath_t* __restrict__ sc = static_cast<const opmath_t*>(a.scale);
   const opmath_t* __restrict__ sh = static_cast<const opmath_t*>(a.shift);
   const opmath_t p = opmath_t(a.act_param);
+  using io = IO<scalar_t>;
+  using Vo = typename io::Vo;
+  const Vo pv(p);
   auto row = [&](int64_t r) {
     const int64_t o = r * c;
-    return Rows<scalar_t, M, A, R>{gp + o, xp + o, rp ? rp + o : nullptr, op ? op + o : nullptr, sc, sh, p};
+    return Rows<scalar_t, M, A, R>{gp + o, xp + o, rp ? rp + o : nullptr, op ? op + o : nullptr, sc, sh, p, pv};
   };
   const bool sums = (a.training && dyp) || a.sum_dz || a.sum_dzx;
   std::vector<double> s1(c, 0.0), s2(c, 0.0);
   if (sums)
     chunked_sums<opmath_t>(m, c, s1, s2, [&](int64_t r, opmath_t* __restrict__ ac, opmath_t* __restrict__ bc) {
       const auto rw = row(r);
-      for (int64_t j = 0; j < c; ++j) {
+      int64_t j = 0;
+      for (; j + io::kStep <= c; j += io::kStep) {
+        const typename io::Vs g = rw.dzv(j), xv = io::load(rw.x + j);
+        for (int i = 0; i < io::kParts; ++i) {
+          opmath_t* __restrict__ aj = ac + j + i * io::kW;
+          opmath_t* __restrict__ bj = bc + j + i * io::kW;
+          (Vo::loadu(aj) + g[i]).store(aj);
+          (Vo::loadu(bj) + g[i] * (xv[i] - io::chan(mu, j, i))).store(bj);
+        }
+      }
+      for (; j < c; ++j) {
         const opmath_t g = rw.dz(j);
         ac[j] += g; bc[j] += g * (opmath_t(rw.x[j]) - mu[j]);
       }
@@ -162,28 +213,51 @@ void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, c
   if (!dyp && !drp) return;
   const opmath_t* __restrict__ Bp = B.data();
   const opmath_t* __restrict__ Dp = D.data();
-  const bool train = a.training;
-  at::parallel_for(0, m, row_grain(c), [&](int64_t rb, int64_t re) {
-    std::vector<opmath_t> buf(dyp && drp ? c : 0);  // dz of one row (in L1), when both dy and dres are written
-    opmath_t* __restrict__ dzb = buf.data();
-    for (int64_t r = rb; r < re; ++r) {
-      const auto rw = row(r);
-      scalar_t* __restrict__ o = dyp ? dyp + r * c : nullptr;
-      scalar_t* __restrict__ d = drp ? drp + r * c : nullptr;
-      // (given statistics: dy = dz*scale alone, so an infinite x does not turn dy into inf*0)
-      if (dyp && drp) {  // dz once (it may cost an exp), then two vectorized sweeps
-        for (int64_t j = 0; j < c; ++j) dzb[j] = rw.dz(j);
-        for (int64_t j = 0; j < c; ++j) d[j] = scalar_t(dzb[j]);
-        if (train) for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(dzb[j] * sc[j] + (opmath_t(rw.x[j]) - mu[j]) * Bp[j] + Dp[j]);
-        else for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(dzb[j] * sc[j]);
-      } else if (dyp) {
-        if (train) for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(rw.dz(j) * sc[j] + (opmath_t(rw.x[j]) - mu[j]) * Bp[j] + Dp[j]);
-        else for (int64_t j = 0; j < c; ++j) o[j] = scalar_t(rw.dz(j) * sc[j]);
-      } else {
-        for (int64_t j = 0; j < c; ++j) d[j] = scalar_t(rw.dz(j));
+  // dy = dz*scale + (x-mean)*B + D in training, dz*scale alone with given statistics (so an infinite x does not
+  // turn dy into inf*0); dres = dz. The choices are template arguments: the loops over C stay branch-free.
+  auto sweep = [&](auto has_dy, auto has_dr, auto train) {
+    constexpr bool Y = decltype(has_dy)::value, Dr = decltype(has_dr)::value, T = decltype(train)::value;
+    at::parallel_for(0, m, row_grain(c), [&](int64_t rb, int64_t re) {
+      for (int64_t r = rb; r < re; ++r) {
+        const auto rw = row(r);
+        scalar_t* __restrict__ o = Y ? dyp + r * c : nullptr;
+        scalar_t* __restrict__ d = Dr ? drp + r * c : nullptr;
+        int64_t j = 0;
+        for (; j + io::kStep <= c; j += io::kStep) {
+          const typename io::Vs g = rw.dzv(j);  // dz once (it may cost an exp)
+          if constexpr (Dr) io::store(d + j, g);
+          if constexpr (Y) {
+            typename io::Vs v;
+            if constexpr (T) {
+              const typename io::Vs xv = io::load(rw.x + j);
+              for (int i = 0; i < io::kParts; ++i)
+                v[i] = g[i] * io::chan(sc, j, i) + (xv[i] - io::chan(mu, j, i)) * io::chan(Bp, j, i) +
+                       io::chan(Dp, j, i);
+            } else {
+              for (int i = 0; i < io::kParts; ++i) v[i] = g[i] * io::chan(sc, j, i);
+            }
+            io::store(o + j, v);
+          }
+        }
+        for (; j < c; ++j) {
+          const opmath_t g = rw.dz(j);
+          if constexpr (Dr) d[j] = scalar_t(g);
+          if constexpr (Y) {
+            if constexpr (T) o[j] = scalar_t(g * sc[j] + (opmath_t(rw.x[j]) - mu[j]) * Bp[j] + Dp[j]);
+            else o[j] = scalar_t(g * sc[j]);
+          }
+        }
       }
-    }
-  });
+    });
+  };
+  using std::true_type, std::false_type;
+  if (dyp && drp) {
+    if (a.training) sweep(true_type{}, true_type{}, true_type{}); else sweep(true_type{}, true_type{}, false_type{});
+  } else if (dyp) {
+    if (a.training) sweep(true_type{}, false_type{}, true_type{}); else sweep(true_type{}, false_type{}, false_type{});
+  } else {
+    sweep(false_type{}, true_type{}, false_type{});
+  }
 }
 
 void check_rows(const Tensor& t, const Tensor& like, int64_t c, const char* name) {

@@ -5,15 +5,16 @@
 // saved. Per-channel values are computed in plain loops, not with [C] tensor ops. No autograd here: the
 // `clfast::conv_bn_act` op (clfast/ops.py) owns the graph and BatchNorm's running statistics; these are called below
 // autograd and autocast (the caller has cast the dtypes). Also registers every `clfast_cpu` op.
+#include "act.h"  // first: simd.h picks the CPU capability of ATen's vec headers
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 #include <array>
 #include <cmath>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
-#include "act.h"
 #include "bn_act.h"
 
 using at::Tensor;
@@ -147,6 +148,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
           or_empty(dres, x)};
 }
 
+// What the kernels' vector loops were compiled for (simd.h): "avx2" or "generic", and the floats per vector
+std::tuple<std::string, int64_t> simd_info() {
+  return {clfast_cpu::simd::kCapability, int64_t(at::vec::Vectorized<float>::size())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(clfast_cpu, m) {
@@ -156,6 +162,7 @@ TORCH_LIBRARY(clfast_cpu, m) {
   m.def("layer_bwd(Tensor dout, Tensor x, Tensor weight, Tensor? bias, Tensor y, Tensor params, Tensor? residual, "
         "Tensor out, int[] stride, int[] padding, int[] dilation, int groups, bool training, int act, "
         "float act_param, bool[6] needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("simd_info() -> (str capability, int float_lanes)", &simd_info);
 }
 
 TORCH_LIBRARY_IMPL(clfast_cpu, CPU, m) {

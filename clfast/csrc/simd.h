@@ -1,0 +1,102 @@
+// SIMD building blocks for the kernels: ATen's at::vec::Vectorized, and overloads that let one formula (act.h) be
+// written once for a scalar T and for Vectorized<T>. Must be included before any other ATen vec header.
+//
+// Inside ATen the vec headers are compiled once per CPU capability (CPU_CAPABILITY_AVX2 / _AVX512 set per file by its
+// build); in this extension nothing sets them, and without them Vectorized is the generic array-of-scalars version
+// (its exp/erf/tanh are scalar std:: calls). So: when the compiler targets AVX2 with FMA and F16C (-march=native on
+// any AVX2 x86 CPU, AVX-512 ones included), use ATen's AVX2 specializations (8 floats, 4 doubles; exp/tanh from
+// Sleef, exported by libtorch_cpu, erf a polynomial). AVX-512 specializations are not enabled (untested here).
+// Elsewhere (a portable build, ARM): the generic version, still correct.
+#pragma once
+#if defined(VECTOR_WIDTH) && !defined(CLFAST_SIMD_CAPABILITY_SET)
+#error "clfast simd.h must be included before ATen's vec headers (it picks their CPU capability)"
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CPU_CAPABILITY_AVX2) && \
+    !defined(CPU_CAPABILITY_AVX512)
+#define CPU_CAPABILITY_AVX2
+#endif
+#define CLFAST_SIMD_CAPABILITY_SET
+#include <ATen/OpMathType.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+namespace clfast_cpu {
+namespace simd {
+using at::vec::Vectorized;
+
+#if defined(CPU_CAPABILITY_AVX2)
+static_assert(Vectorized<float>::size() == 8 && Vectorized<double>::size() == 4, "AVX2: 8 floats, 4 doubles");
+constexpr const char* kCapability = "avx2";
+#else
+constexpr const char* kCapability = "generic";
+#endif
+
+// The element type of V (V itself for a scalar)
+template <typename V> struct elem { using type = V; };
+template <typename T> struct elem<Vectorized<T>> { using type = T; };
+template <typename V> using elem_t = typename elem<V>::type;
+
+// A constant of type V (a scalar, or broadcast to every lane)
+template <typename V> inline V k(double x) { return V(elem_t<V>(x)); }
+
+// Math: std:: for scalars, ATen's vectorized versions for Vectorized (the ones stock PyTorch's CPU kernels use)
+template <typename T> inline T exp(T x) { return std::exp(x); }
+template <typename T> inline Vectorized<T> exp(const Vectorized<T>& x) { return x.exp(); }
+template <typename T> inline T erf(T x) { return std::erf(x); }
+template <typename T> inline Vectorized<T> erf(const Vectorized<T>& x) { return x.erf(); }
+template <typename T> inline T tanh(T x) { return std::tanh(x); }
+template <typename T> inline Vectorized<T> tanh(const Vectorized<T>& x) { return x.tanh(); }
+template <typename T> inline T neg(T x) { return -x; }
+template <typename T> inline Vectorized<T> neg(const Vectorized<T>& x) { return x.neg(); }
+// min/max: std:: ones return their first argument on NaN; at::vec's propagate NaN. The formulas use them as
+// max(NaN-able, constant), so both give NaN for a NaN input.
+template <typename T> inline T max(T a, T b) { return std::max(a, b); }
+template <typename T> inline Vectorized<T> max(const Vectorized<T>& a, const Vectorized<T>& b) {
+  return at::vec::maximum(a, b);
+}
+template <typename T> inline T min(T a, T b) { return std::min(a, b); }
+template <typename T> inline Vectorized<T> min(const Vectorized<T>& a, const Vectorized<T>& b) {
+  return at::vec::minimum(a, b);
+}
+
+// Selects and their conditions: a comparison is a bool for scalars, a lane mask for Vectorized (its operators <, >,
+// <=, >= are ordered: false on NaN, like the scalar ones). sel(c, a, b) = c ? a : b; both(c, d) = c && d.
+template <typename T> inline T sel(bool c, T a, T b) { return c ? a : b; }
+template <typename T> inline Vectorized<T> sel(const Vectorized<T>& c, const Vectorized<T>& a, const Vectorized<T>& b) {
+  return Vectorized<T>::blendv(b, a, c);
+}
+inline bool both(bool c, bool d) { return c && d; }
+template <typename T> inline Vectorized<T> both(const Vectorized<T>& c, const Vectorized<T>& d) { return c & d; }
+
+// Loads and stores of a tensor's elements as opmath vectors. A step covers Vectorized<scalar_t>::size() elements:
+// one opmath vector for float and double, two float vectors for bf16/fp16 (loaded and rounded as stock's kernels do:
+// convert_to_float / convert_from_float).
+template <typename scalar_t> struct IO {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using Vo = Vectorized<opmath_t>;
+  static constexpr int64_t kW = Vo::size();                          // opmath lanes
+  static constexpr int64_t kStep = Vectorized<scalar_t>::size();     // elements per step
+  static constexpr int kParts = int(kStep / kW);
+  static_assert(kParts * kW == kStep && (kParts == 1 || kParts == 2), "unexpected vector widths");
+  using Vs = std::array<Vo, kParts>;
+  static inline Vs load(const scalar_t* p) {
+    if constexpr (kParts == 1) return {Vo::loadu(p)};
+    else {
+      auto [a, b] = at::vec::convert_to_float<scalar_t>(Vectorized<scalar_t>::loadu(p));
+      return {a, b};
+    }
+  }
+  static inline void store(scalar_t* p, const Vs& v) {
+    if constexpr (kParts == 1) v[0].store(p);
+    else at::vec::convert_from_float<scalar_t>(v[0], v[1]).store(p);
+  }
+  // part `i` of the step at `j` of a per-channel opmath array
+  static inline Vo chan(const opmath_t* p, int64_t j, int i) { return Vo::loadu(p + j + i * kW); }
+};
+
+}  // namespace simd
+}  // namespace clfast_cpu

@@ -51,7 +51,7 @@ def _stats_final(ps_ptr, pq_ptr, shift_ptr, mean_ptr, var_ptr, P, M, C, BLOCK_C:
     tl.store(mean_ptr + cols, shift + md, mask=cmask)
     tl.store(var_ptr + cols, tl.maximum(q / M - md * md, 0), mask=cmask)
 
-# %% ../nbs/20_triton_kernels.ipynb #38c149b4
+# %% ../nbs/20_triton_kernels.ipynb #0fa15e96
 @triton.jit
 def _sig2(a):
     "`(sigmoid(a), sigmoid(a)*(1 - sigmoid(a)))`, computed without overflow or cancellation"
@@ -102,12 +102,8 @@ def _act_grad(z, p, ACT: tl.constexpr):
 def _act_grad_from_out(out, p, ACT: tl.constexpr):
     "`act'(z)` read from `out = act(z)`, for the activations where that is exact (codes 0-3, slope >= 0)"
     tl.static_assert(ACT <= 3, "the derivative of this activation cannot be read from its output")
-    one, zero = tl.full(out.shape, 1, out.dtype), tl.zeros(out.shape, out.dtype)
-    if ACT == 1: d = tl.where(out <= 0, zero, one)
-    elif ACT == 2: d = tl.where((out <= 0) | (out >= 6), zero, one)
-    elif ACT == 3: d = tl.where(out > 0, one, one * p)
-    else: d = one
-    return d
+    # act'(act(z)) == act'(z) for these (what `grad_from_out` means): the derivative's formula at out
+    return _act_grad(out, p, ACT)
 
 # %% ../nbs/20_triton_kernels.ipynb #25d2dc03
 @triton.jit

@@ -90,21 +90,15 @@ inline bool grad_from_out(int64_t code, double p) {
 }
 
 // act'(z) and dz read from out = act(z), for the activations where that is exact
+// For these activations act'(act(z)) == act'(z) (that is what `grad_from_out` means), so the derivative read from
+// out is the derivative's own formula evaluated at out
 template <int A, typename V> inline V df_out(V out, V p) {
-  using namespace simd;
   static_assert(has_grad_from_out<A>(), "this activation's derivative cannot be read from its output");
-  if constexpr (A == kNone) return k<V>(1);
-  else if constexpr (A == kRelu) return sel(out > k<V>(0), k<V>(1), k<V>(0));
-  else if constexpr (A == kRelu6) return sel(both(out > k<V>(0), out < k<V>(6)), k<V>(1), k<V>(0));
-  else return sel(out > k<V>(0), k<V>(1), p);                                      // leaky, slope >= 0
+  return df<A>(out, p);
 }
 template <int A, typename V> inline V grad_out(V g, V out, V p) {
-  using namespace simd;
   static_assert(has_grad_from_out<A>(), "this activation's derivative cannot be read from its output");
-  if constexpr (A == kNone) return g;
-  else if constexpr (A == kRelu) return sel(out <= k<V>(0), k<V>(0), g);  // PyTorch's relu backward reads its result too
-  else if constexpr (A == kRelu6) return sel(both(out > k<V>(0), out < k<V>(6)), g, k<V>(0));
-  else return sel(out > k<V>(0), g, g * p);
+  return grad<A>(g, out, p);
 }
 
 // Calls fn(std::integral_constant<int, A>{}) for the activation `code`: the one switch, outside the loops

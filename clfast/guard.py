@@ -147,8 +147,10 @@ def guard_plan(conv:nn.Module, failures:list|None=None):
         return (how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #9676abd2
-def _is_fused_conv(m) -> bool: return isinstance(m, nn.Conv2d) and '_fused_bn' in m.__dict__
+# %% ../nbs/05_guard.ipynb #2a09d48e
+def _is_fused_conv(m) -> bool:
+    "A conv whose forward is clfast's fused op (surgery keeps the BN in `_fused_bn`; a standalone FusedConvBN2d has `fused_bn`)"
+    return isinstance(m, nn.Conv2d) and ('_fused_bn' in m.__dict__ or isinstance(getattr(type(m), 'fused_bn', None), property))
 
 def unguard_model(model:nn.Module) -> nn.Module:
     "Remove every guard `guard_model` put on `model`, in place; idempotent"

@@ -291,13 +291,15 @@ def fwd(x:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int, act_para
                                                          HAS_RES=res is not None, ACT=int(act), BLOCK_M=bm, BLOCK_C=bc)
     return out
 
-# %% ../nbs/20_triton_kernels.ipynb #e0c2ebbf
+# %% ../nbs/20_triton_kernels.ipynb #9e0f7c99
 def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int,
         training:bool, want_dres:bool, act_param:float=0., out:Tensor|None=None, want_dy:bool=True,
-        dy:Tensor|None=None, dres:Tensor|None=None):
+        dy:Tensor|None=None, dres:Tensor|None=None, grad_means:Tensor|None=None, want_sums:bool=True):
     """`(dy, sum_dz, sum_dz_xhat, dres)` on `[M, C]` rows; `dres` (`dy`) is empty unless `want_dres` (`want_dy`).
     `act'` is read from `out` when given, else from `z` recomputed from the rows `x`. `x` may be None only when
-    neither needs it (eval backward, derivative from `out` or no activation); `sum_dz_xhat` is then zero."""
+    neither needs it (eval backward, derivative from `out` or no activation); `sum_dz_xhat` is then zero.
+    `grad_means` (`[2, C]`: the means of `dz` and `dz*xhat` over all ranks) replaces the rows' own in training's `dy`;
+    with it, the sums are computed only when `want_sums`."""
     m, c = g.shape
     from_out, act = out is not None, int(act)
     if x is None and (training or (act != 0 and not from_out)): raise ValueError("bwd needs the rows x here")
@@ -311,11 +313,14 @@ def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift
     if want_dy and dy is None: dy = torch.empty_like(g)
     if want_dres and dres is None: dres = torch.empty_like(g)
     with _on(g):
-        _bwd_partial[(p, triton.cdiv(c, bc))](g, xx, mean, scale, shift, r, o, k, ps, pq, m, c, rows_per,
-                                              HAS_Y=has_y, HAS_RES=has_res, ACT=act, FROM_OUT=from_out,
-                                              BLOCK_M=bm, BLOCK_C=bc)
-        _bwd_final[(triton.cdiv(c, bc),)](ps, pq, invstd, scale, sdz, sdx, b, d, p, m, c,
-                                          TRAINING=training, BLOCK_C=bc)
+        if grad_means is None or want_sums:
+            _bwd_partial[(p, triton.cdiv(c, bc))](g, xx, mean, scale, shift, r, o, k, ps, pq, m, c, rows_per,
+                                                  HAS_Y=has_y, HAS_RES=has_res, ACT=act, FROM_OUT=from_out,
+                                                  BLOCK_M=bm, BLOCK_C=bc)
+            _bwd_final[(triton.cdiv(c, bc),)](ps, pq, invstd, scale, sdz, sdx, b, d, p, m, c,
+                                              TRAINING=training, BLOCK_C=bc)
+        if grad_means is not None and training:   # pass 2's coefficients from the given means (as _bwd_final's)
+            b, d = -scale * invstd * grad_means[1], -scale * grad_means[0]
         if want_dy or want_dres:
             y_in_dx = training or (act != 0 and not from_out)
             _bwd_dx[(triton.cdiv(m, bm), triton.cdiv(c, bc))](
@@ -349,16 +354,17 @@ def _conv(x, weight, bias, stride, padding, dilation, groups) -> Tensor:
                                    False, [0] * n, groups)
     return _cl(y)
 
-# %% ../nbs/20_triton_kernels.ipynb #f3ec081b
+# %% ../nbs/20_triton_kernels.ipynb #0926f2a1
 def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, bn_bias:Tensor|None,
               residual:Tensor|None, mean:Tensor|None, var:Tensor|None, stride, padding, dilation, groups:int,
-              eps:float, act:int, act_param:float, keep_y:bool) -> tuple[Tensor, Tensor, Tensor]:
+              eps:float, act:int, act_param:float, keep_y:bool, y:Tensor|None=None) -> tuple[Tensor, Tensor, Tensor]:
     "`(out, y, params)` of `act(bn(conv(x)) [+ residual])`: see `clfast/KERNELS.md`"
-    y = _conv(x, weight, bias, stride, padding, dilation, groups)
+    y = _conv(x, weight, bias, stride, padding, dilation, groups) if y is None or y.numel() == 0 else _cl(y)
     yr, c, acc = _rows(y), y.shape[1], _acc(x)
     if (mean is None) != (var is None): raise ValueError("give both mean and var, or neither")
     prm = torch.empty((5, c), dtype=acc, device=y.device)
-    if mean is None: mean, var = stats(yr, prm[0], prm[4])
+    batch = mean is None
+    if batch: mean, var = stats(yr, prm[0], prm[4])
     else: mean, var = mean.contiguous(), var.contiguous()
     k = _consts(float(act_param), float(eps), acc, y.device)
     bc = _blocks(c)[1]
@@ -366,14 +372,15 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
         _params[(triton.cdiv(c, bc),)](mean, var, prm if bn_weight is None else bn_weight.contiguous(),
                                        prm if bn_bias is None else bn_bias.contiguous(), k, prm, c,
                                        HAS_W=bn_weight is not None, HAS_B=bn_bias is not None, BLOCK_C=bc)
+    if batch: prm[4] *= yr.shape[0] / max(yr.shape[0] - 1, 1)   # the running average takes the unbiased variance
     out, orows = _empty_cl(y.shape, x.dtype, y.device)
     fwd(yr, prm[2], prm[3], None if residual is None else _rows(_cl(residual)), act, act_param, out=orows)
     return out, (y if keep_y else y.new_empty(0)), prm
 
-# %% ../nbs/20_triton_kernels.ipynb #4c03bafe
+# %% ../nbs/20_triton_kernels.ipynb #d84b95bf
 def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, params:Tensor,
               residual:Tensor|None, out:Tensor|None, stride, padding, dilation, groups:int, training:bool, act:int,
-              act_param:float, needs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              act_param:float, needs, grad_means:Tensor|None=None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     "`(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual)`, empty where `needs` says so: see `clfast/KERNELS.md`"
     n_dx, n_dw, n_db, n_dg, n_dbeta, n_dres = (bool(b) for b in needs)
     n_db = n_db and bias is not None   # dresidual is wanted even when residual is not passed (the mask came from out)
@@ -389,7 +396,7 @@ def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, 
     _, sdz, sdx, _ = bwd(_rows(g), _rows(_cl(y)) if need_y else None, params[0], params[1], params[2], params[3],
                          None if residual is None else _rows(_cl(residual)), act, training, n_dres,
                          act_param=act_param, out=_rows(_cl(out)) if from_out else None, want_dy=want_dy,
-                         dy=dyr, dres=dresr)
+                         dy=dyr, dres=dresr, grad_means=grad_means, want_sums=n_dg or n_dbeta)
     dx = dw = db = None
     if want_dy:
         n = x.dim() - 2

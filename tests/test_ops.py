@@ -139,8 +139,8 @@ def test_opcheck(kw):
 
 def test_bn_update_running_opcheck():
     rm, rv, nbt = torch.zeros(4), torch.ones(4), torch.zeros((), dtype=torch.long)
-    torch.library.opcheck(ops.bn_update_running_op, (rm, rv, nbt, torch.rand(5, 4), 10, None))
-    torch.library.opcheck(ops.bn_update_running_op, (rm, rv, None, torch.rand(5, 4), 10, 0.1))
+    torch.library.opcheck(ops.bn_update_running_op, (rm, rv, nbt, torch.rand(5, 4), None))
+    torch.library.opcheck(ops.bn_update_running_op, (rm, rv, None, torch.rand(5, 4), 0.1))
 
 def test_cumulative_average():
     "momentum=None: the running statistics are the plain average over the batches seen, as BatchNorm2d's"

@@ -165,6 +165,7 @@ struct Rows {
 
 // Pass 1 (training, or sums asked for): s1 = sum(dz), s2 = sum(dz*(x-mean)). Pass 2 (dy or dres asked for):
 // dy = dz*A + (x-mean)*B + D with A = scale and, in training, B = -scale*invstd^2*s2/M, D = -scale*s1/M; dres = dz.
+// Given all ranks' means of dz and dz*x_hat (synchronized BN), pass 2 uses them and pass 1 runs only for the sums.
 template <typename scalar_t, Mask M, int A, bool R>
 void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, const scalar_t* op, int64_t m,
                    int64_t c, const BwdArgs& a, scalar_t* dyp, scalar_t* drp) {
@@ -181,7 +182,8 @@ void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, c
     const int64_t o = r * c;
     return Rows<scalar_t, M, A, R>{gp + o, xp + o, rp ? rp + o : nullptr, op ? op + o : nullptr, sc, sh, p, pv};
   };
-  const bool sums = (a.training && dyp) || a.sum_dz || a.sum_dzx;
+  const bool given_means = a.mean_dz && a.mean_dzx;
+  const bool sums = (a.training && dyp && !given_means) || a.sum_dz || a.sum_dzx;
   std::vector<double> s1(c, 0.0), s2(c, 0.0);
   if (sums)
     chunked_sums<opmath_t>(m, c, s1, s2, [&](int64_t r, opmath_t* __restrict__ ac, opmath_t* __restrict__ bc) {
@@ -205,7 +207,10 @@ void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, c
   for (int64_t j = 0; j < c; ++j) {
     if (a.sum_dz) static_cast<opmath_t*>(a.sum_dz)[j] = opmath_t(s1[j]);
     if (a.sum_dzx) static_cast<opmath_t*>(a.sum_dzx)[j] = opmath_t(s2[j] * double(is[j]));
-    if (a.training) {
+    if (a.training && given_means) {
+      B[j] = opmath_t(-double(sc[j]) * double(is[j]) * double(static_cast<const opmath_t*>(a.mean_dzx)[j]));
+      D[j] = opmath_t(-double(sc[j]) * double(static_cast<const opmath_t*>(a.mean_dz)[j]));
+    } else if (a.training) {
       B[j] = opmath_t(-double(sc[j]) * double(is[j]) * double(is[j]) * s2[j] / double(m));
       D[j] = opmath_t(-double(sc[j]) * s1[j] / double(m));
     }

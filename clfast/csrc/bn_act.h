@@ -31,6 +31,8 @@ struct BwdArgs {
   Tensor* dres = nullptr;          // where given, receives dz
   void* sum_dz = nullptr;          // where given, receives sum(dz) per channel
   void* sum_dzx = nullptr;         // where given, receives sum(dz*x_hat) per channel
+  // where given (training), the means of dz and dz*x_hat over every rank's rows, used in dy instead of these rows'
+  const void* mean_dz = nullptr; const void* mean_dzx = nullptr;
 };
 // Gradients of normalize given dout (x: normalize's input)
 void backward(const Tensor& dout, const Tensor& x, int64_t c, const BwdArgs& args);

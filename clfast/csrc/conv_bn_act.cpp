@@ -9,6 +9,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <optional>
@@ -66,22 +67,28 @@ std::tuple<Tensor, Tensor, Tensor> layer_fwd(
     const Tensor& x, const Tensor& weight, const OptTensor& bias, const OptTensor& bn_weight, const OptTensor& bn_bias,
     const OptTensor& residual, const OptTensor& mean, const OptTensor& var, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, double eps, int64_t act, double act_param,
-    bool keep_y) {
+    bool keep_y, const OptTensor& y_given) {
   Guards guards;
   TORCH_CHECK_VALUE(x.dim() == 4 || x.dim() == 5, "clfast_cpu.layer_fwd: expected 4D (or 5D) input, got ", x.dim(), "D");
   TORCH_CHECK_VALUE(given(mean) == given(var), "clfast_cpu.layer_fwd: give both mean and var, or neither");
   check_dtype(weight, x, "weight"); check_dtype(bias, x, "bias"); check_dtype(residual, x, "residual");
-  const Tensor y = channels_last(conv(x, weight, bias, {stride, padding, dilation, groups}));
+  check_dtype(y_given, x, "y");
+  // the caller may have run the conv already (synchronized statistics need it before normalising)
+  const Tensor y = given(y_given) ? channels_last(*y_given)
+                                  : channels_last(conv(x, weight, bias, {stride, padding, dilation, groups}));
   const int64_t c = y.size(1), m = y.numel() / c;
   TORCH_CHECK_VALUE(!given(residual) || residual->sizes() == y.sizes(), "clfast_cpu.layer_fwd: residual shape ",
                     residual->sizes(), " must equal the conv output's ", y.sizes());
   std::vector<double> mu(c), va(c);
+  // the var row: what the running average takes, the unbiased batch variance (or the given var)
+  double unbias = 1.0;
   if (given(mean)) {
     mu = doubles(mean, c, 0.0, "mean");
     va = doubles(var, c, 1.0, "var");
   } else {
     TORCH_CHECK_VALUE(m > 0, "clfast_cpu.layer_fwd: batch statistics need at least one value per channel");
     clfast_cpu::stats(y, c, mu.data(), va.data());
+    unbias = double(m) / double(std::max<int64_t>(m - 1, 1));
   }
   const std::vector<double> w = doubles(bn_weight, c, 1.0, "bn_weight"), bb = doubles(bn_bias, c, 0.0, "bn_bias");
   Tensor params = at::empty({5, c}, y.options().dtype(acc_type(y.scalar_type())));  // mean, invstd, scale, shift, var
@@ -90,7 +97,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_fwd(
     for (int64_t j = 0; j < c; ++j) {
       const double invstd = 1.0 / std::sqrt(va[j] + eps), scale = invstd * w[j];
       p[j] = scalar_t(mu[j]); p[c + j] = scalar_t(invstd); p[2 * c + j] = scalar_t(scale);
-      p[3 * c + j] = scalar_t(bb[j] - mu[j] * scale); p[4 * c + j] = scalar_t(va[j]);
+      p[3 * c + j] = scalar_t(bb[j] - mu[j] * scale); p[4 * c + j] = scalar_t(va[j] * unbias);
     }
   });
   const Tensor res = given(residual) ? channels_last(*residual) : Tensor();
@@ -104,7 +111,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_fwd(
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
     const Tensor& dout, const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& y_saved,
     const Tensor& params, const OptTensor& residual, const Tensor& out, at::IntArrayRef stride, at::IntArrayRef padding,
-    at::IntArrayRef dilation, int64_t groups, bool training, int64_t act, double act_param, std::array<bool, 6> needs) {
+    at::IntArrayRef dilation, int64_t groups, bool training, int64_t act, double act_param, std::array<bool, 6> needs,
+    const OptTensor& grad_means) {
   Guards guards;
   check_dtype(weight, x, "weight"); check_dtype(bias, x, "bias"); check_dtype(residual, x, "residual");
   check_dtype(dout, x, "dout");
@@ -129,6 +137,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
   a.out = from_out ? &o : nullptr;
   a.res = res.defined() ? &res : nullptr;
   a.training = training;
+  if (given(grad_means)) {
+    TORCH_CHECK_VALUE(grad_means->dim() == 2 && grad_means->size(0) == 2 && grad_means->size(1) == c &&
+                      grad_means->is_contiguous() && grad_means->scalar_type() == acc,
+                      "clfast_cpu.layer_bwd: grad_means must be a contiguous [2, C] ", acc, " tensor");
+    const char* gm = static_cast<const char*>(grad_means->const_data_ptr());
+    a.mean_dz = gm; a.mean_dzx = gm + row;
+  }
   const bool nx = needs[0], nw = needs[1], nb = needs[2] && given(bias);
   Tensor dy, dres, dbn_w, dbn_b;
   if (nx || nw || nb) { dy = at::empty_like(y); a.dy = &dy; }
@@ -158,10 +173,10 @@ std::tuple<std::string, int64_t> simd_info() {
 TORCH_LIBRARY(clfast_cpu, m) {
   m.def("layer_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, Tensor? residual, "
         "Tensor? mean, Tensor? var, int[] stride, int[] padding, int[] dilation, int groups, float eps, int act, "
-        "float act_param, bool keep_y) -> (Tensor out, Tensor y, Tensor params)");
+        "float act_param, bool keep_y, Tensor? y=None) -> (Tensor out, Tensor y, Tensor params)");
   m.def("layer_bwd(Tensor dout, Tensor x, Tensor weight, Tensor? bias, Tensor y, Tensor params, Tensor? residual, "
         "Tensor out, int[] stride, int[] padding, int[] dilation, int groups, bool training, int act, "
-        "float act_param, bool[6] needs) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "float act_param, bool[6] needs, Tensor? grad_means=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("simd_info() -> (str capability, int float_lanes)", &simd_info);
 }
 

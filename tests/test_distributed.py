@@ -1,0 +1,165 @@
+"""Multi-process training with real processes: 2 ranks on gloo over loopback, spawned by each test and bounded in time
+(every collective times out after `TIMEOUT` s, and a rank that raises ends the test with its error)."""
+import copy, os, socket, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
+import torch.nn.functional as F
+from datetime import timedelta
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+WORLD, TIMEOUT = 2, 120
+
+def _spawn(fn, *args):
+    "Run `fn(rank, *args)` in `WORLD` fresh processes; an exception in any rank is raised here (the others are killed)"
+    mp.start_processes(fn, args=args, nprocs=WORLD, join=True, start_method='spawn')
+
+def _init(rank:int, init:str):
+    dist.init_process_group('gloo', init_method=f'file://{init}', rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=TIMEOUT))
+    torch.set_num_threads(1)   # two ranks on two cores
+
+def _net() -> nn.Sequential:
+    "conv-BN-ReLU, torchvision's BasicBlock (fused with its add), timm's ConvNormAct (BatchNormAct2d with SiLU), a head"
+    import timm.layers, torchvision
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                      torchvision.models.resnet.BasicBlock(8, 8),
+                      timm.layers.ConvNormAct(8, 16, 3, stride=2, act_layer=nn.SiLU),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+    with torch.no_grad():
+        for bn in m.modules():
+            if isinstance(bn, nn.BatchNorm2d): bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.5, 0.5)
+    return m
+
+def _data(n:int=16):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 3, 10, 10, generator=g) * 2 + 1, torch.randint(0, 5, (n,), generator=g)
+
+def _train(model:nn.Module, x, y, n_total:int, steps:int=3):
+    "SGD steps on the loss summed over `x` and scaled to the mean over all ranks' `n_total` samples (DDP averages)"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        (F.cross_entropy(model(x), y, reduction='sum') * (dist.get_world_size() if dist.is_initialized() else 1)
+         / n_total).backward()
+        opt.step(); opt.zero_grad()
+
+def _sync_worker(rank, init, out, mode, order, dtype, sizes):
+    from clfast.fuse import fuse_conv_bn, unfuse_conv_bn
+    _init(rank, init)
+    try:
+        model = _net().to(dtype)
+        if order == 'fuse-first':   # fastai's order: ChannelsLast fuses in before_fit, then DistributedTrainer converts
+            fuse_conv_bn(model, mode)
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            fuse_conv_bn(model, mode)
+        model = model.to(memory_format=torch.channels_last)
+        x, y = _data(sum(sizes))
+        lo = sum(sizes[:rank])
+        _train(DDP(model), x[lo:lo + sizes[rank]].to(dtype), y[lo:lo + sizes[rank]], len(x))
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        unfuse_conv_bn(model)
+        torch.save(dict(state=state, kinds=[type(m).__name__ for m in model.modules()]), f"{out}/rank{rank}.pt")
+    finally: dist.destroy_process_group()
+
+def _rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
+
+@pytest.mark.parametrize('mode,order,dtype,sizes', [
+    ('speed', 'fuse-first', torch.float64, (11, 5)),     # uneven per-rank batches: statistics combined through counts
+    ('memory', 'convert-first', torch.float64, (8, 8)),
+    ('speed', 'convert-first', torch.float32, (8, 8))])
+def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, sizes):
+    """2 ranks x B samples, fused and synchronized, train as one process on the same 2B samples (stock, fp64):
+    parameters and running statistics after 3 SGD steps; the ranks agree exactly; unfusing gives SyncBatchNorm back"""
+    _spawn(_sync_worker, str(tmp_path/'init'), str(tmp_path), mode, order, dtype, sizes)
+    ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(WORLD)]
+    ref = _net().double()
+    x, y = _data(sum(sizes))
+    _train(ref, x.double(), y, len(x))
+    tol = 1e-9 if dtype == torch.float64 else 2e-4
+    assert list(ranks[0]['state']) == list(ref.state_dict())          # state_dict keys unchanged
+    for k, want in ref.state_dict().items():
+        got = ranks[0]['state'][k]
+        assert torch.equal(got, ranks[1]['state'][k]), f"ranks disagree on {k}"
+        if k.endswith('num_batches_tracked'): assert got.item() == want.item() == 3
+        else: assert _rel(got, want) < tol, f"{k}: rel {_rel(got, want):.2e}"
+    sync = {'BatchNorm2d': 'SyncBatchNorm', 'BatchNormAct2d': 'SyncBatchNormAct'}   # timm's converter's choice
+    assert sorted(ranks[0]['kinds']) == sorted(sync.get(type(m).__name__, type(m).__name__) for m in _net().modules())
+
+def _failing_worker(rank, init):
+    _init(rank, init)
+    if rank == 1: raise ValueError("boom in rank 1")
+    dist.barrier()   # rank 0 waits for a rank that is gone
+
+def test_error_in_one_rank_ends_the_test(tmp_path):
+    t = time.time()
+    with pytest.raises(mp.ProcessRaisedException, match="boom in rank 1"): _spawn(_failing_worker, str(tmp_path/'init'))
+    assert time.time() - t < TIMEOUT
+
+@pytest.fixture
+def one_rank_gloo(tmp_path):
+    dist.init_process_group('gloo', init_method=f"file://{tmp_path/'init'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+def test_unfused_bn_on_cpu_is_refused(one_rank_gloo):
+    "PyTorch's SyncBatchNorm cannot run on the CPU: a BN clfast cannot fuse is refused by name, before any change"
+    from clfast.fuse import fuse_conv_bn, fusion_report
+    m = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    fuse_conv_bn(m)
+    kinds = [type(a) for a in m.modules()]
+    with pytest.raises(RuntimeError, match=r"would become.*: 0 \(BN's input is the module's input.*sync_bn=False"):
+        nn.SyncBatchNorm.convert_sync_batchnorm(m)
+    assert [type(a) for a in m.modules()] == kinds
+    assert fusion_report(m).unfused[0][0] == '0'
+    # converted first, then fused: the SyncBatchNorm left unfused is named when fusing ends
+    m = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)))
+    with pytest.raises(RuntimeError, match=r"1 BatchNorm layer\(s\) are torch.nn.SyncBatchNorm.*: 0 \("): fuse_conv_bn(m)
+
+def test_standalone_fused_module_converts(one_rank_gloo):
+    "A FusedConvBN2d built directly runs its child `bn`: converted in place, it synchronizes and unfolds to SyncBatchNorm"
+    from clfast.fused import FusedConvBN2d, is_sync_bn
+    f = FusedConvBN2d(3, 4, 3, padding=1)
+    bn = f.bn
+    g = nn.SyncBatchNorm.convert_sync_batchnorm(f)
+    assert g is f and f.bn is bn and is_sync_bn(f.bn) and not isinstance(f.bn, nn.SyncBatchNorm)
+    assert [type(m) for m in f.to_stock()][:2] == [nn.Conv2d, nn.SyncBatchNorm]
+    DDP(f)   # DDP refuses real SyncBatchNorm modules on the CPU; the pass-through is a BatchNorm2d
+
+def _fastai_worker(rank, port, out, sync_bn):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR='127.0.0.1',
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from fastai.vision.all import Learner, CrossEntropyLossFlat, accuracy
+    from clfast.all import PassThroughBN2d
+    from clfast.demo import digits_dls, simple_cnn
+    dls = digits_dls(bs=16, n_items=128, size=16)
+    learn = Learner(dls, simple_cnn(widths=(8, 16)), loss_func=CrossEntropyLossFlat(), metrics=accuracy)
+    learn.to_channelslast(fuse='speed')
+    with learn.distrib_ctx(sync_bn=sync_bn):
+        learn.fit(1, 1e-2)
+        kinds = {type(m).__name__ for m in learn.model.modules()}
+    vec = torch.cat([t.detach().flatten().double() for t in learn.model.state_dict().values()])
+    every = [torch.empty_like(vec) for _ in range(WORLD)]
+    dist.all_gather(every, vec)
+    torch.save(dict(kinds=kinds, values=learn.recorder.values, every=every,
+                    n_bn=sum(isinstance(m, nn.BatchNorm2d) for m in learn.model.modules())), f"{out}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+@pytest.mark.parametrize('sync_bn', [True, False])
+def test_fastai_distrib_ctx_fused(tmp_path, sync_bn):
+    """`learn.to_channelslast(fuse=...)` inside `learn.distrib_ctx()` fits on 2 CPU ranks (gloo): fastai's DistributedDL
+    and accelerate's CPU mode work, the fused layers are synchronized exactly when sync_bn (the numerics of that are
+    `test_synced_fused_training_equals_one_process`'s), and the ranks end with the same weights and statistics"""
+    _spawn(_fastai_worker, _free_port(), str(tmp_path), sync_bn)
+    r = torch.load(tmp_path/'rank0.pt', weights_only=False)
+    assert r['n_bn'] > 0 and 'PassThroughBN2d' in r['kinds'] or 'PassThroughSyncBatchNorm' in r['kinds']
+    assert ('PassThroughSyncBatchNorm' in r['kinds']) == sync_bn and 'SyncBatchNorm' not in r['kinds']
+    assert all(torch.isfinite(torch.tensor(v[:2])).all() for v in r['values'])
+    a, b = r['every']
+    assert torch.equal(a, b)

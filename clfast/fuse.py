@@ -18,8 +18,8 @@ from .fused import (FusedConvBN2d, PassThroughBN2d, PassThroughReLU, _FusedMixin
                           conv_bn_act, conv_geometry, fusable_bn, pass_through)
 
 # %% auto #0
-__all__ = ['KNOWN_BLOCKS', 'FusionReport', 'fusion_report', 'BlockHandler', 'register_block', 'is_fused', 'fuse_conv_bn',
-           'unfuse_conv_bn', 'convert_sync_batchnorm', 'FoldedConv2d', 'fold_conv_bn']
+__all__ = ['KNOWN_BLOCKS', 'FusionReport', 'fusion_report', 'BlockHandler', 'register_block', 'convert_sync_batchnorm',
+           'is_fused', 'fuse_conv_bn', 'unfuse_conv_bn', 'FoldedConv2d', 'fold_conv_bn']
 
 # %% ../nbs/24_fuse.ipynb #e580f844
 @dataclass
@@ -417,33 +417,6 @@ class _Tracer(fx.Tracer):
         return (isinstance(m, (nn.Conv2d, _BatchNorm, _FusedMixin)) or _conv_kind(m) is not None or act_of(m) is not None
                 or self.fuser.is_block(m) or super().is_leaf_module(m, qualname))
 
-# %% ../nbs/24_fuse.ipynb #789a6d74
-def is_fused(model:nn.Module) -> bool:
-    "True if `fuse_conv_bn` fused anything in `model` (a standalone `FusedConvBN2d` does not count: it is not undone)"
-    return any(isinstance(m, _FusedMixin) and getattr(m, 'surgical', True) for m in model.modules())
-
-def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Module:
-    "Fuse conv → BN (→ activation) (+ add) in `model` in place, keeping parameters and `state_dict`; idempotent, switches mode"
-    check_mode(mode)
-    _install_sync_converter()   # timm may have loaded since clfast.fuse did
-    for m in model.modules():
-        if isinstance(m, FusedConvBN2d) and m.surgical: m.mode = mode
-    fuser = _Fuser(model, mode)
-    fuser.visit(model)
-    report = fuser.finish()
-    _reports[model] = report
-    if verbose: print(report)
-    # converted before fusing: SyncBatchNorms left unfused cannot run on the CPU (the model is fused as far as it can be)
-    if refused := _cpu_sync_refusals(model, cls=nn.SyncBatchNorm): _refuse_cpu_sync(model, refused, 'are')
-    return model
-
-def unfuse_conv_bn(model:nn.Module) -> nn.Module:
-    "Turn every module `fuse_conv_bn` fused back into its stock class in place; idempotent"
-    for m in list(model.modules()):
-        if isinstance(m, _FusedMixin) and getattr(m, 'surgical', True): m._unfuse()
-    _reports.pop(model, None)
-    return model
-
 # %% ../nbs/24_fuse.ipynb #0e6294bd
 _stock_convert_sync = getattr(nn.SyncBatchNorm, '_clfast_stock_convert', nn.SyncBatchNorm.convert_sync_batchnorm.__func__)
 
@@ -508,6 +481,33 @@ def _install_sync_converter():
             sys.modules[name].convert_sync_batchnorm = lambda module, process_group=None: convert_sync_batchnorm(module, process_group)
 
 _install_sync_converter()
+
+# %% ../nbs/24_fuse.ipynb #789a6d74
+def is_fused(model:nn.Module) -> bool:
+    "True if `fuse_conv_bn` fused anything in `model` (a standalone `FusedConvBN2d` does not count: it is not undone)"
+    return any(isinstance(m, _FusedMixin) and getattr(m, 'surgical', True) for m in model.modules())
+
+def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Module:
+    "Fuse conv → BN (→ activation) (+ add) in `model` in place, keeping parameters and `state_dict`; idempotent, switches mode"
+    check_mode(mode)
+    _install_sync_converter()   # timm may have loaded since clfast.fuse did
+    for m in model.modules():
+        if isinstance(m, FusedConvBN2d) and m.surgical: m.mode = mode
+    fuser = _Fuser(model, mode)
+    fuser.visit(model)
+    report = fuser.finish()
+    _reports[model] = report
+    if verbose: print(report)
+    # converted before fusing: SyncBatchNorms left unfused cannot run on the CPU (the model is fused as far as it can be)
+    if refused := _cpu_sync_refusals(model, cls=nn.SyncBatchNorm): _refuse_cpu_sync(model, refused, 'are')
+    return model
+
+def unfuse_conv_bn(model:nn.Module) -> nn.Module:
+    "Turn every module `fuse_conv_bn` fused back into its stock class in place; idempotent"
+    for m in list(model.modules()):
+        if isinstance(m, _FusedMixin) and getattr(m, 'surgical', True): m._unfuse()
+    _reports.pop(model, None)
+    return model
 
 # %% ../nbs/24_fuse.ipynb #de0be750
 class FoldedConv2d(_FusedMixin, nn.Conv2d):

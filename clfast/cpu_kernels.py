@@ -51,7 +51,7 @@ def ext_name(flags:list[str]) -> str:
     h.update(' '.join(flags).encode()); h.update(torch.__version__.encode()); h.update(cpu_isa().encode())
     return f"clfast_bn_act_{h.hexdigest()[:16]}"
 
-# %% ../nbs/22_cpu_kernels.ipynb #9eb72475
+# %% ../nbs/22_cpu_kernels.ipynb #7467096c
 _lock, _lib = threading.Lock(), None
 
 def _build(native:bool, verbose:bool):
@@ -90,4 +90,4 @@ def load(verbose:bool=False) -> SimpleNamespace:
             _lib = Path(_lib) if _lib else None
             if fresh: _say(f"C++ CPU kernels compiled in {time.perf_counter() - t0:.0f} s")
     ops = torch.ops.clfast_cpu
-    return SimpleNamespace(layer_fwd=ops.layer_fwd, layer_bwd=ops.layer_bwd)
+    return SimpleNamespace(layer_fwd=ops.layer_fwd, layer_bwd=ops.layer_bwd, batch_stats=ops.batch_stats)

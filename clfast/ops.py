@@ -12,8 +12,9 @@ from torch import Tensor
 from .act import ACTS, Act, get_act
 
 # %% auto #0
-__all__ = ['PARAM_ROWS', 'REFERENCE', 'as_rows', 'from_rows', 'acc_dtype', 'ref_layer_fwd', 'ref_layer_bwd', 'register_backend',
-           'kernel_backend', 'conv_bn_act_op', 'conv_bn_act_backward_op', 'bn_update_running_op', 'fused_conv_bn']
+__all__ = ['PARAM_ROWS', 'REFERENCE', 'as_rows', 'from_rows', 'acc_dtype', 'ref_layer_fwd', 'ref_batch_stats', 'ref_layer_bwd',
+           'register_backend', 'kernel_backend', 'conv_bn_act_op', 'conv_bn_act_backward_op', 'bn_update_running_op',
+           'fused_conv_bn']
 
 # %% ../nbs/21_ops.ipynb #7c1c64ea
 def as_rows(t:Tensor) -> Tensor:
@@ -31,7 +32,7 @@ def acc_dtype(dt:torch.dtype) -> torch.dtype:
     "The accumulation / per-channel dtype for inputs of dtype `dt`: float64 for float64, float32 otherwise"
     return torch.float64 if dt == torch.float64 else torch.float32
 
-# %% ../nbs/21_ops.ipynb #74e74399
+# %% ../nbs/21_ops.ipynb #c93ac279
 PARAM_ROWS = ('mean', 'invstd', 'scale', 'shift', 'var')
 
 def _conv(x, w, b, stride, padding, dilation, groups):
@@ -75,6 +76,11 @@ def ref_layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, stri
     return out, (y if keep_y else _empty(y)), torch.stack([mean, invstd, scale, shift,
                                                            _unbiased(var, r.shape[0]) if batch else var])
 
+def ref_batch_stats(y):
+    "Per-channel `(mean, biased var)` of `y`, accumulation dtype (the synchronized layer's statistics)"
+    var, mean = torch.var_mean(as_rows(y).to(acc_dtype(y.dtype)), 0, correction=0)
+    return mean, var
+
 def ref_layer_bwd(dout, x, weight, bias, y, params, residual, out, stride, padding, dilation, groups, training, act,
                   act_param, needs, grad_means=None):
     "`(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual)` of the fused layer, in plain PyTorch"
@@ -101,10 +107,10 @@ def ref_layer_bwd(dout, x, weight, bias, y, params, residual, out, stride, paddi
            _fresh(dz, y) if needs[5] else None)
     return tuple(_empty(params) if t is None else t for t in res)
 
-# %% ../nbs/21_ops.ipynb #d48c034f
+# %% ../nbs/21_ops.ipynb #1dc72661
 class _Reference:
     "The pure-PyTorch backend"
-    layer_fwd, layer_bwd = staticmethod(ref_layer_fwd), staticmethod(ref_layer_bwd)
+    layer_fwd, layer_bwd, batch_stats = staticmethod(ref_layer_fwd), staticmethod(ref_layer_bwd), staticmethod(ref_batch_stats)
 
 REFERENCE = _Reference()
 _loaders: dict[str, Callable] = {}
@@ -118,7 +124,7 @@ def _warn_once(key, msg):
 def _load_cpu():
     from clfast import cpu_kernels
     k = cpu_kernels.load()
-    k.layer_fwd, k.layer_bwd   # a library built from older sources lacks them: AttributeError, so the reference runs
+    k.layer_fwd, k.layer_bwd, k.batch_stats   # a library built from older sources lacks them: AttributeError, so the reference runs
     return k
 
 def _load_triton():
@@ -152,7 +158,7 @@ def kernel_backend(device_type:str):
         return REFERENCE
     return _load(device_type, _loaders[device_type])
 
-# %% ../nbs/21_ops.ipynb #428f25ab
+# %% ../nbs/21_ops.ipynb #e360e390
 def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
     "The name the ops know `pg` by; '' (no synchronization) for None or a group of one rank"
     if pg is None or dist.get_world_size(pg) == 1: return ''
@@ -160,13 +166,13 @@ def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
 
 def _group(name:str) -> dist.ProcessGroup: return dist.distributed_c10d._resolve_process_group(name)
 
-def _synced_stats(y:Tensor, group:str) -> tuple[Tensor, Tensor, Tensor]:
+def _synced_stats(y:Tensor, group:str, backend) -> tuple[Tensor, Tensor, Tensor]:
     """Per-channel `(mean, biased var, unbiased var)` of `y` over every rank of `group`: each rank's mean, variance
-    and count all-gathered, then combined in float64 (Chan et al.'s parallel formula; counts may differ)"""
-    r, acc = as_rows(y), acc_dtype(y.dtype)
-    m = r.shape[0]
-    if m: var, mean = torch.var_mean(r.to(acc), 0, correction=0)
-    else: mean = var = r.new_zeros(r.shape[1], dtype=acc)   # a rank with an empty batch contributes nothing
+    (the backend's `batch_stats`) and count all-gathered, then combined in float64 (Chan et al.'s parallel formula;
+    counts may differ)"""
+    acc, m = acc_dtype(y.dtype), y.numel() // y.shape[1]
+    if m: mean, var = backend.batch_stats(y)
+    else: mean = var = y.new_zeros(y.shape[1], dtype=acc)   # a rank with an empty batch contributes nothing
     pg = _group(group)
     mine = torch.stack([mean, var, torch.full_like(mean, m)]).double()
     every = mine.new_empty(dist.get_world_size(pg) * 3, mine.shape[1])   # the ranks' [3, C] blocks, one after another
@@ -184,7 +190,7 @@ def _synced_grad_means(sum_dz:Tensor, sum_dzx:Tensor, y:Tensor, group:str) -> Te
     c = sum_dz.shape[0]
     return (sums[:2 * c].view(2, c) / sums[-1]).to(sum_dz.dtype)
 
-# %% ../nbs/21_ops.ipynb #f8c464d0
+# %% ../nbs/21_ops.ipynb #6de805cd
 @torch.library.custom_op("clfast::conv_bn_act", mutates_args=())
 def conv_bn_act_op(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Optional[Tensor],
                    bn_bias:Optional[Tensor], residual:Optional[Tensor], mean:Optional[Tensor], var:Optional[Tensor],
@@ -198,7 +204,7 @@ def conv_bn_act_op(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Opt
         return backend.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *args)
     # synchronized: this rank's conv first, its statistics joined with the other ranks', then normalise with those
     y = _conv(x, weight, bias, stride, padding, dilation, groups).contiguous(memory_format=torch.channels_last)
-    mean, var, running_var = _synced_stats(y, group)
+    mean, var, running_var = _synced_stats(y, group, backend)
     out, y, params = backend.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *args, y)
     params[4] = running_var
     return out, y, params

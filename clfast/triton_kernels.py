@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['stats', 'fwd', 'bwd', 'layer_fwd', 'layer_bwd']
+__all__ = ['stats', 'fwd', 'bwd', 'layer_fwd', 'batch_stats', 'layer_bwd']
 
 # %% ../nbs/20_triton_kernels.ipynb #fb4a5787
 @triton.jit
@@ -376,6 +376,11 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
     out, orows = _empty_cl(y.shape, x.dtype, y.device)
     fwd(yr, prm[2], prm[3], None if residual is None else _rows(_cl(residual)), act, act_param, out=orows)
     return out, (y if keep_y else y.new_empty(0)), prm
+
+# %% ../nbs/20_triton_kernels.ipynb #a7b47fa1
+def batch_stats(y:Tensor) -> tuple[Tensor, Tensor]:
+    "Per-channel `(mean, biased var)` of the conv output `y` (the synchronized layer's statistics)"
+    return stats(_rows(_cl(y)))
 
 # %% ../nbs/20_triton_kernels.ipynb #d84b95bf
 def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, params:Tensor,

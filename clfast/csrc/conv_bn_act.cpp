@@ -163,6 +163,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
           or_empty(dres, x)};
 }
 
+// Per-channel (mean, biased variance) of a conv output, in the accumulation dtype: the statistics a synchronized
+// layer gathers from every rank before normalising (clfast/KERNELS.md)
+std::tuple<Tensor, Tensor> batch_stats(const Tensor& y_in) {
+  Guards guards;
+  TORCH_CHECK_VALUE(y_in.dim() >= 2, "clfast_cpu.batch_stats: expected an N,C,... tensor, got ", y_in.dim(), "D");
+  const Tensor y = channels_last(y_in);
+  const int64_t c = y.size(1), m = y.numel() / std::max<int64_t>(c, 1);
+  TORCH_CHECK_VALUE(m > 0, "clfast_cpu.batch_stats: needs at least one value per channel");
+  std::vector<double> mu(c), va(c);
+  clfast_cpu::stats(y, c, mu.data(), va.data());
+  const auto opts = y.options().dtype(acc_type(y.scalar_type()));
+  Tensor mean = at::empty({c}, opts), var = at::empty({c}, opts);
+  AT_DISPATCH_FLOATING_TYPES(mean.scalar_type(), "clfast_batch_stats", [&] {
+    scalar_t* mp = mean.data_ptr<scalar_t>();
+    scalar_t* vp = var.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < c; ++j) { mp[j] = scalar_t(mu[j]); vp[j] = scalar_t(va[j]); }
+  });
+  return {mean, var};
+}
+
 // What the kernels' vector loops were compiled for (simd.h): "avx2" or "generic", and the floats per vector
 std::tuple<std::string, int64_t> simd_info() {
   return {clfast_cpu::simd::kCapability, int64_t(at::vec::Vectorized<float>::size())};
@@ -177,10 +197,12 @@ TORCH_LIBRARY(clfast_cpu, m) {
   m.def("layer_bwd(Tensor dout, Tensor x, Tensor weight, Tensor? bias, Tensor y, Tensor params, Tensor? residual, "
         "Tensor out, int[] stride, int[] padding, int[] dilation, int groups, bool training, int act, "
         "float act_param, bool[6] needs, Tensor? grad_means=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("batch_stats(Tensor y) -> (Tensor mean, Tensor var)");
   m.def("simd_info() -> (str capability, int float_lanes)", &simd_info);
 }
 
 TORCH_LIBRARY_IMPL(clfast_cpu, CPU, m) {
   m.impl("layer_fwd", &layer_fwd);
   m.impl("layer_bwd", &layer_bwd);
+  m.impl("batch_stats", &batch_stats);
 }

@@ -158,13 +158,31 @@ def kernel_backend(device_type:str):
         return REFERENCE
     return _load(device_type, _loaders[device_type])
 
-# %% ../nbs/21_ops.ipynb #e360e390
+# %% ../nbs/21_ops.ipynb #151a0e43
 def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
     "The name the ops know `pg` by; '' (no synchronization) for None or a group of one rank"
     if pg is None or dist.get_world_size(pg) == 1: return ''
     return pg.group_name
 
-def _group(name:str) -> dist.ProcessGroup: return dist.distributed_c10d._resolve_process_group(name)
+_own_groups: dict[str, dist.ProcessGroup] = {}
+
+def _group(name:str) -> dist.ProcessGroup:
+    """The group the layers' collectives run on: a twin of the group named `name` (same ranks and backend), made on
+    first use. Collectives of one group run in order: on the group itself, each layer's small gather in backward
+    would wait behind DDP's gradient all-reduces of the same group instead of overlapping them"""
+    if name not in _own_groups:
+        pg = dist.distributed_c10d._resolve_process_group(name)
+        # every rank of the group reaches its first synchronized layer, in the same order: they create the twin together
+        _own_groups[name] = dist.new_group(dist.get_process_group_ranks(pg), backend=dist.get_backend(pg),
+                                           use_local_synchronization=True)
+    return _own_groups[name]
+
+def _gather_rows(t:Tensor, group:str) -> Tensor:
+    "Every rank's `[R, C]` float64 `t`, as `[world, R, C]` (an all-gather: on gloo, far quicker than an all-reduce this small)"
+    pg = _group(group)
+    every = t.new_empty(dist.get_world_size(pg) * t.shape[0], t.shape[1])
+    dist.all_gather_single(every, t, group=pg)
+    return every.view(-1, *t.shape)
 
 def _synced_stats(y:Tensor, group:str, backend) -> tuple[Tensor, Tensor, Tensor]:
     """Per-channel `(mean, biased var, unbiased var)` of `y` over every rank of `group`: each rank's mean, variance
@@ -173,11 +191,7 @@ def _synced_stats(y:Tensor, group:str, backend) -> tuple[Tensor, Tensor, Tensor]
     acc, m = acc_dtype(y.dtype), y.numel() // y.shape[1]
     if m: mean, var = backend.batch_stats(y)
     else: mean = var = y.new_zeros(y.shape[1], dtype=acc)   # a rank with an empty batch contributes nothing
-    pg = _group(group)
-    mine = torch.stack([mean, var, torch.full_like(mean, m)]).double()
-    every = mine.new_empty(dist.get_world_size(pg) * 3, mine.shape[1])   # the ranks' [3, C] blocks, one after another
-    dist.all_gather_single(every, mine, group=pg)
-    mean_r, var_r, n_r = every.view(-1, 3, mine.shape[1]).unbind(1)
+    mean_r, var_r, n_r = _gather_rows(torch.stack([mean, var, torch.full_like(mean, m)]).double(), group).unbind(1)
     n = n_r.sum(0)
     mean = (n_r * mean_r).sum(0) / n
     var = (n_r * (var_r + (mean_r - mean) ** 2)).sum(0) / n
@@ -185,10 +199,9 @@ def _synced_stats(y:Tensor, group:str, backend) -> tuple[Tensor, Tensor, Tensor]
 
 def _synced_grad_means(sum_dz:Tensor, sum_dzx:Tensor, y:Tensor, group:str) -> Tensor:
     "`[2, C]`: `sum(dz)` and `sum(dz*xhat)` summed over the ranks of `group`, divided by their total count"
-    sums = torch.cat([sum_dz.double(), sum_dzx.double(), sum_dz.new_full((1,), y.numel() // y.shape[1], dtype=torch.float64)])
-    dist.all_reduce(sums, group=_group(group))
-    c = sum_dz.shape[0]
-    return (sums[:2 * c].view(2, c) / sums[-1]).to(sum_dz.dtype)
+    mine = torch.stack([sum_dz, sum_dzx, torch.full_like(sum_dz, y.numel() // y.shape[1])]).double()
+    sums = _gather_rows(mine, group).sum(0)
+    return (sums[:2] / sums[2]).to(sum_dz.dtype)
 
 # %% ../nbs/21_ops.ipynb #6de805cd
 @torch.library.custom_op("clfast::conv_bn_act", mutates_args=())

@@ -133,7 +133,7 @@ def _fastai_worker(rank, port, out, sync_bn):
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from fastai.vision.all import Learner, CrossEntropyLossFlat, accuracy
-    from clfast.all import PassThroughBN2d
+    import clfast.all   # to_channelslast, and fastai's distrib_ctx made to work on gloo (clfast.distrib)
     from clfast.demo import digits_dls, simple_cnn
     dls = digits_dls(bs=16, n_items=128, size=16)
     learn = Learner(dls, simple_cnn(widths=(8, 16)), loss_func=CrossEntropyLossFlat(), metrics=accuracy)

@@ -158,24 +158,24 @@ def kernel_backend(device_type:str):
         return REFERENCE
     return _load(device_type, _loaders[device_type])
 
-# %% ../nbs/21_ops.ipynb #151a0e43
+# %% ../nbs/21_ops.ipynb #f80fd3ee
 def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
     "The name the ops know `pg` by; '' (no synchronization) for None or a group of one rank"
     if pg is None or dist.get_world_size(pg) == 1: return ''
     return pg.group_name
 
-_own_groups: dict[str, dist.ProcessGroup] = {}
+_own_groups: dict[str, tuple] = {}   # group name -> (the group, its twin)
 
 def _group(name:str) -> dist.ProcessGroup:
     """The group the layers' collectives run on: a twin of the group named `name` (same ranks and backend), made on
     first use. Collectives of one group run in order: on the group itself, each layer's small gather in backward
     would wait behind DDP's gradient all-reduces of the same group instead of overlapping them"""
-    if name not in _own_groups:
-        pg = dist.distributed_c10d._resolve_process_group(name)
+    pg = dist.distributed_c10d._resolve_process_group(name)
+    if name not in _own_groups or _own_groups[name][0] is not pg:   # a new group may reuse a destroyed one's name
         # every rank of the group reaches its first synchronized layer, in the same order: they create the twin together
-        _own_groups[name] = dist.new_group(dist.get_process_group_ranks(pg), backend=dist.get_backend(pg),
-                                           use_local_synchronization=True)
-    return _own_groups[name]
+        _own_groups[name] = (pg, dist.new_group(dist.get_process_group_ranks(pg), backend=dist.get_backend(pg),
+                                                use_local_synchronization=True))
+    return _own_groups[name][1]
 
 def _gather_rows(t:Tensor, group:str) -> Tensor:
     "Every rank's `[R, C]` float64 `t`, as `[world, R, C]` (an all-gather: on gloo, far quicker than an all-reduce this small)"

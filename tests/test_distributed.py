@@ -88,6 +88,23 @@ def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, 
     sync = {'BatchNorm2d': 'SyncBatchNorm', 'BatchNormAct2d': 'SyncBatchNormAct'}   # timm's converter's choice
     assert sorted(ranks[0]['kinds']) == sorted(sync.get(type(m).__name__, type(m).__name__) for m in _net().modules())
 
+def _reinit_worker(rank, init):
+    "A process group destroyed and made again (a notebook re-running its setup) gets fresh collectives, not stale ones"
+    from clfast.fused import FusedConvBN2d
+    for i in range(2):
+        _init(rank, f"{init}{i}")
+        f = nn.SyncBatchNorm.convert_sync_batchnorm(FusedConvBN2d(3, 4, 3, padding=1))
+        torch.manual_seed(rank)
+        f(torch.randn(2 + rank, 3, 6, 6)).sum().backward()
+        every = [torch.empty(4) for _ in range(WORLD)]
+        dist.all_gather(every, f.bn.running_mean)
+        assert torch.equal(every[0], every[1])   # synchronized: both ranks computed the same statistics
+        from clfast.ops import _group   # the collectives' twin group belongs to this process group, not a destroyed one
+        assert dist.get_process_group_ranks(_group(dist.group.WORLD.group_name)) == [0, 1]
+        dist.destroy_process_group()
+
+def test_process_group_made_again(tmp_path): _spawn(_reinit_worker, str(tmp_path/'init'))
+
 def _failing_worker(rank, init):
     _init(rank, init)
     if rank == 1: raise ValueError("boom in rank 1")

@@ -32,7 +32,7 @@ def acc_dtype(dt:torch.dtype) -> torch.dtype:
     "The accumulation / per-channel dtype for inputs of dtype `dt`: float64 for float64, float32 otherwise"
     return torch.float64 if dt == torch.float64 else torch.float32
 
-# %% ../nbs/21_ops.ipynb #c93ac279
+# %% ../nbs/21_ops.ipynb #9f149f87
 PARAM_ROWS = ('mean', 'invstd', 'scale', 'shift', 'var')
 
 def _conv(x, w, b, stride, padding, dilation, groups):
@@ -53,9 +53,9 @@ def _act_of(code:int) -> Act:
     raise ValueError(f"unknown activation code {code}")
 
 
-def _unbiased(var:Tensor, m:int) -> Tensor:
-    "The running variance's estimate from the biased batch variance of `m` values"
-    return var * (m / max(m - 1, 1))
+def _unbiased(var:Tensor, n) -> Tensor:
+    "The running variance's estimate from the biased variance of `n` values (a number, or a tensor of counts)"
+    return var * (n / (n - 1).clamp(min=1) if isinstance(n, Tensor) else n / max(n - 1, 1))
 
 def ref_layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, stride, padding, dilation, groups, eps,
                   act, act_param, keep_y, y=None):
@@ -64,8 +64,7 @@ def ref_layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, stri
     y = y.contiguous(memory_format=torch.channels_last)
     acc = acc_dtype(y.dtype)
     r = as_rows(y).to(acc)
-    batch = mean is None
-    if batch: mean, var = r.mean(0), r.var(0, unbiased=False)
+    if mean is None: mean, var = r.mean(0), r.var(0, unbiased=False)
     mean, var = mean.to(acc), var.to(acc)
     invstd = torch.rsqrt(var + eps)
     scale = invstd if bn_weight is None else invstd * bn_weight.to(acc)
@@ -73,8 +72,7 @@ def ref_layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, stri
     z = r * scale + shift
     if residual is not None: z = z + as_rows(residual).to(acc)
     out = _fresh(_act_of(act)(z, act_param), y)
-    return out, (y if keep_y else _empty(y)), torch.stack([mean, invstd, scale, shift,
-                                                           _unbiased(var, r.shape[0]) if batch else var])
+    return out, (y if keep_y else _empty(y)), torch.stack([mean, invstd, scale, shift, var])
 
 def ref_batch_stats(y):
     "Per-channel `(mean, biased var)` of `y`, accumulation dtype (the synchronized layer's statistics)"
@@ -158,7 +156,7 @@ def kernel_backend(device_type:str):
         return REFERENCE
     return _load(device_type, _loaders[device_type])
 
-# %% ../nbs/21_ops.ipynb #64490f60
+# %% ../nbs/21_ops.ipynb #b31940f8
 def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
     "The name the ops know `pg` by; '' (no synchronization) for None or a group of one rank"
     if pg is None or dist.get_world_size(pg) == 1: return ''
@@ -194,7 +192,7 @@ def _gather_rows(t:Tensor, group:str) -> Tensor:
     return torch.stack(every)
 
 def _synced_stats(y:Tensor, group:str, backend) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-channel `(mean, biased var, unbiased var)` of `y` over every rank of `group`: each rank's mean, variance
+    """Per-channel `(mean, biased var, count)` of `y` over every rank of `group`: each rank's mean, variance
     (the backend's `batch_stats`) and count all-gathered, then combined in float64 (Chan et al.'s parallel formula;
     counts may differ)"""
     acc, m = acc_dtype(y.dtype), y.numel() // y.shape[1]
@@ -204,7 +202,7 @@ def _synced_stats(y:Tensor, group:str, backend) -> tuple[Tensor, Tensor, Tensor]
     n = n_r.sum(0)
     mean = (n_r * mean_r).sum(0) / n
     var = (n_r * (var_r + (mean_r - mean) ** 2)).sum(0) / n
-    return mean.to(acc), var.to(acc), (var * n / (n - 1).clamp(min=1)).to(acc)
+    return mean.to(acc), var.to(acc), n
 
 def _synced_grad_means(sum_dz:Tensor, sum_dzx:Tensor, y:Tensor, group:str) -> Tensor:
     "`[2, C]`: `sum(dz)` and `sum(dz*xhat)` summed over the ranks of `group`, divided by their total count"
@@ -212,7 +210,7 @@ def _synced_grad_means(sum_dz:Tensor, sum_dzx:Tensor, y:Tensor, group:str) -> Te
     sums = _gather_rows(mine, group).sum(0)
     return (sums[:2] / sums[2]).to(sum_dz.dtype)
 
-# %% ../nbs/21_ops.ipynb #6de805cd
+# %% ../nbs/21_ops.ipynb #9e9516ed
 @torch.library.custom_op("clfast::conv_bn_act", mutates_args=())
 def conv_bn_act_op(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Optional[Tensor],
                    bn_bias:Optional[Tensor], residual:Optional[Tensor], mean:Optional[Tensor], var:Optional[Tensor],
@@ -222,13 +220,15 @@ def conv_bn_act_op(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Opt
     rank of the process group named `group` when one is named"""
     backend = kernel_backend(x.device.type)
     args = (stride, padding, dilation, groups, eps, act, act_param, keep_y)
-    if not group or mean is not None:
-        return backend.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *args)
-    # synchronized: this rank's conv first, its statistics joined with the other ranks', then normalise with those
-    y = _conv(x, weight, bias, stride, padding, dilation, groups).contiguous(memory_format=torch.channels_last)
-    mean, var, running_var = _synced_stats(y, group, backend)
-    out, y, params = backend.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *args, y)
-    params[4] = running_var
+    if mean is not None: return backend.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *args)
+    if not group:
+        out, y, params = backend.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, None, None, *args)
+        n = out.numel() // out.shape[1]
+    else:  # synchronized: this rank's conv first, its statistics joined with the other ranks', then normalise with those
+        y = _conv(x, weight, bias, stride, padding, dilation, groups).contiguous(memory_format=torch.channels_last)
+        mean, var, n = _synced_stats(y, group, backend)
+        out, y, params = backend.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *args, y)
+    params[4] = _unbiased(params[4], n)   # the batch variance the running average takes, once for every backend
     return out, y, params
 
 @conv_bn_act_op.register_fake
@@ -309,7 +309,7 @@ def _backward(ctx, dout, _dy, _dparams):
 
 conv_bn_act_op.register_autograd(_backward, setup_context=_setup_context)
 
-# %% ../nbs/21_ops.ipynb #cf8ab93e
+# %% ../nbs/21_ops.ipynb #efa1c8b7
 @torch.library.custom_op("clfast::bn_update_running", mutates_args=("running_mean", "running_var", "num_batches_tracked"))
 def bn_update_running_op(running_mean:Optional[Tensor], running_var:Optional[Tensor],
                          num_batches_tracked:Optional[Tensor], params:Tensor, momentum:Optional[float]) -> None:
@@ -320,7 +320,7 @@ def bn_update_running_op(running_mean:Optional[Tensor], running_var:Optional[Ten
         if momentum is None: factor = 1.0 / num_batches_tracked.to(params.dtype)   # cumulative average
     if running_mean is None or running_var is None: return
     if factor is None: factor = 0.0
-    mean, var = params[0], params[4]   # params' var row is the unbiased estimate
+    mean, var = params[0], params[4]   # conv_bn_act's var row is the unbiased estimate
     running_mean.lerp_(mean.to(running_mean.dtype), factor if isinstance(factor, float) else factor.to(running_mean.dtype))
     running_var.lerp_(var.to(running_var.dtype), factor if isinstance(factor, float) else factor.to(running_var.dtype))
 

@@ -354,7 +354,7 @@ def _conv(x, weight, bias, stride, padding, dilation, groups) -> Tensor:
                                    False, [0] * n, groups)
     return _cl(y)
 
-# %% ../nbs/20_triton_kernels.ipynb #0926f2a1
+# %% ../nbs/20_triton_kernels.ipynb #dfe35db8
 def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, bn_bias:Tensor|None,
               residual:Tensor|None, mean:Tensor|None, var:Tensor|None, stride, padding, dilation, groups:int,
               eps:float, act:int, act_param:float, keep_y:bool, y:Tensor|None=None) -> tuple[Tensor, Tensor, Tensor]:
@@ -363,8 +363,7 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
     yr, c, acc = _rows(y), y.shape[1], _acc(x)
     if (mean is None) != (var is None): raise ValueError("give both mean and var, or neither")
     prm = torch.empty((5, c), dtype=acc, device=y.device)
-    batch = mean is None
-    if batch: mean, var = stats(yr, prm[0], prm[4])
+    if mean is None: mean, var = stats(yr, prm[0], prm[4])
     else: mean, var = mean.contiguous(), var.contiguous()
     k = _consts(float(act_param), float(eps), acc, y.device)
     bc = _blocks(c)[1]
@@ -372,7 +371,6 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
         _params[(triton.cdiv(c, bc),)](mean, var, prm if bn_weight is None else bn_weight.contiguous(),
                                        prm if bn_bias is None else bn_bias.contiguous(), k, prm, c,
                                        HAS_W=bn_weight is not None, HAS_B=bn_bias is not None, BLOCK_C=bc)
-    if batch: prm[4] *= yr.shape[0] / max(yr.shape[0] - 1, 1)   # the running average takes the unbiased variance
     out, orows = _empty_cl(y.shape, x.dtype, y.device)
     fwd(yr, prm[2], prm[3], None if residual is None else _rows(_cl(residual)), act, act_param, out=orows)
     return out, (y if keep_y else y.new_empty(0)), prm

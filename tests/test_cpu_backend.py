@@ -71,8 +71,7 @@ def oracle(c, name, p, training, dtype):
     invstd = 1 / torch.sqrt(var + EPS)
     scale = invstd * (g.detach() if g is not None else 1)
     shift = (beta.detach() if beta is not None else 0) - mean * scale
-    m = yd.numel() // yd.shape[1]   # the var row is what the running average takes: the unbiased batch variance
-    params = torch.stack([mean, invstd, scale, shift, var * m / (m - 1) if training else var])
+    params = torch.stack([mean, invstd, scale, shift, var])
     return out.detach(), params, grads, dy.abs().sum((0, 2, 3)).max()
 
 GEOM = ([1, 1], [1, 1], [1, 1], 1)   # stride, padding, dilation, groups

@@ -80,15 +80,12 @@ std::tuple<Tensor, Tensor, Tensor> layer_fwd(
   TORCH_CHECK_VALUE(!given(residual) || residual->sizes() == y.sizes(), "clfast_cpu.layer_fwd: residual shape ",
                     residual->sizes(), " must equal the conv output's ", y.sizes());
   std::vector<double> mu(c), va(c);
-  // the var row: what the running average takes, the unbiased batch variance (or the given var)
-  double unbias = 1.0;
   if (given(mean)) {
     mu = doubles(mean, c, 0.0, "mean");
     va = doubles(var, c, 1.0, "var");
   } else {
     TORCH_CHECK_VALUE(m > 0, "clfast_cpu.layer_fwd: batch statistics need at least one value per channel");
     clfast_cpu::stats(y, c, mu.data(), va.data());
-    unbias = double(m) / double(std::max<int64_t>(m - 1, 1));
   }
   const std::vector<double> w = doubles(bn_weight, c, 1.0, "bn_weight"), bb = doubles(bn_bias, c, 0.0, "bn_bias");
   Tensor params = at::empty({5, c}, y.options().dtype(acc_type(y.scalar_type())));  // mean, invstd, scale, shift, var
@@ -97,7 +94,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_fwd(
     for (int64_t j = 0; j < c; ++j) {
       const double invstd = 1.0 / std::sqrt(va[j] + eps), scale = invstd * w[j];
       p[j] = scalar_t(mu[j]); p[c + j] = scalar_t(invstd); p[2 * c + j] = scalar_t(scale);
-      p[3 * c + j] = scalar_t(bb[j] - mu[j] * scale); p[4 * c + j] = scalar_t(va[j] * unbias);
+      p[3 * c + j] = scalar_t(bb[j] - mu[j] * scale); p[4 * c + j] = scalar_t(va[j]);
     }
   });
   const Tensor res = given(residual) ? channels_last(*residual) : Tensor();

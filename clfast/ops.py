@@ -277,7 +277,7 @@ def _(dout, x, weight, bias, y, params, residual, out, stride, padding, dilation
             pick(needs[3], params[0]), pick(needs[4], params[0]),
             torch.empty_like(dout, memory_format=torch.channels_last) if needs[5] else _empty(params))
 
-# %% ../nbs/21_ops.ipynb #7c671622
+# %% ../nbs/21_ops.ipynb #95909458
 def _setup_context(ctx, inputs, output):
     x, weight, bias, bn_weight, bn_bias, residual, mean, var, stride, padding, dilation, groups, eps, act, p, keep_y, group = inputs
     out, y, params = output
@@ -288,11 +288,13 @@ def _setup_context(ctx, inputs, output):
     ctx.conv = (stride, padding, dilation, groups)
     ctx.training, ctx.act, ctx.p, ctx.has_res, ctx.group = mean is None, act, p, residual is not None, group
     ctx.bn_dtypes = (None if bn_weight is None else bn_weight.dtype, None if bn_bias is None else bn_bias.dtype)
+    ctx.set_materialize_grads(False)   # y and params never get gradients: no zero-filled activation-sized tensors
 
 def _backward(ctx, dout, _dy, _dparams):
     if torch.is_grad_enabled():
         raise RuntimeError("clfast's fused conv-BN has no double backward (create_graph=True): unfuse the model "
                            "(clfast.fuse.unfuse_conv_bn) for higher-order gradients")
+    if dout is None: return (None,) * 17
     x, weight, bias, y, params, residual, out = ctx.saved_tensors
     ni = ctx.needs_input_grad
     needs = [ni[0], ni[1], ni[2], ni[3], ni[4], ni[5] and ctx.has_res and ctx.act != ACTS['none'].code]

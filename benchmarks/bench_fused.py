@@ -122,10 +122,13 @@ def section_infer(args):
                 ref = stock(x).float()
                 for k, (m, inp) in variants.items():
                     print(f"  {k:>16} max |diff| vs stock: {(m(inp).float() - ref).abs().max().item():.2e}")
-            times = medians(interleaved({k: run(*v) for k, v in variants.items()}, args.rounds * 2, warmup=2))
+            raw = interleaved({k: run(*v) for k, v in variants.items()}, args.rounds * 2, warmup=2)
+            times = medians(raw)
             for k, t in times.items():
                 print(f"inference {k:>16}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}"
                       + (f"   vs compile_cl = {times['compile_cl']/t:.3f}" if 'compile_cl' in times else ''))
+            print("  " + paired_ratios(raw, 'stock_cl', 'fold_cl'))
+            if 'compile_cl' in times: print("  " + paired_ratios(raw, 'compile_cl', 'fold_cl'))
 
 def section_gpu(args):
     if not torch.cuda.is_available():

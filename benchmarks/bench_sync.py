@@ -4,9 +4,11 @@ cost a fused training step.
 Each rank trains two DDP copies of the same fused model, one converted with nn.SyncBatchNorm.convert_sync_batchnorm
 (every fused layer all-gathers its statistics in forward and all-reduces two per-channel sums in backward) and one not,
 taking turns round by round (order reversed every other round) so the machine's noise hits both alike; rank 0 prints
-the per-round ratio synced/unsynced. A third setup, 'no-comm' (a control, not a valid training), runs the synced
-code path with each collective replaced by this rank's own values: what is left of the gap is the computation, the
-rest is communication (latency and waiting for the other rank). One thread per rank (two ranks on two cores):
+the per-round ratio synced/unsynced. 'synced' exchanges the statistics as clfast does by default (ranks on one host
+share memory: clfast.exchange); 'synced-msg' through gloo's messages, as across hosts. A last setup, 'no-comm' (a
+control, not a valid training), runs the synced code path with each exchange replaced by this rank's own values: what
+is left of the gap is the computation, the rest is communication (latency and waiting for the other rank). One thread
+per rank (two ranks on two cores):
 
     flock /tmp/clfast-cpu.lock python benchmarks/bench_sync.py --arch resnet50 --bs 8 --size 160 --rounds 6
 """
@@ -30,15 +32,18 @@ def worker(rank, args, init):
     fuse_conv_bn(base, args.mode)
     import clfast.ops as ops
     setups = {'unsynced': base, 'synced': nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(base))}
+    setups['synced-msg'] = copy.deepcopy(setups['synced'])
     setups['no-comm'] = copy.deepcopy(setups['synced'])
     gather = ops._gather_rows
+    paths = {'no-comm': lambda t, g: torch.stack([t] * args.ranks),
+             'synced-msg': lambda t, g: ops._message_rows(t, ops._group(g))}
     models = {k: DDP(m.to(memory_format=torch.channels_last)) for k, m in setups.items()}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     torch.manual_seed(rank)
     x = torch.randn(args.bs, 3, args.size, args.size).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.bs,))
     def steps(k):
-        ops._gather_rows = (lambda t, g: torch.stack([t] * args.ranks)) if k == 'no-comm' else gather
+        ops._gather_rows = paths.get(k, gather)
         for _ in range(args.steps):
             nn.functional.cross_entropy(models[k](x), y).backward()
             opts[k].step(); opts[k].zero_grad()
@@ -52,8 +57,8 @@ def worker(rank, args, init):
         rep = fusion_report(base)
         print(f"{args.arch} fuse={args.mode!r}, {args.ranks} ranks x bs {args.bs}, {args.size} px, fp32, "
               f"{args.threads} thread(s) per rank; {rep.n_bn - len(rep.unfused)}/{rep.n_bn} BN fused")
-        for k, v in times.items(): print(f"  {k:9s} step: median {statistics.median(v)*1e3:8.1f} ms  ({', '.join(f'{t*1e3:.0f}' for t in v)})")
-        for k in ('synced', 'no-comm'):
+        for k, v in times.items(): print(f"  {k:10s} step: median {statistics.median(v)*1e3:8.1f} ms  ({', '.join(f'{t*1e3:.0f}' for t in v)})")
+        for k in ('synced', 'synced-msg', 'no-comm'):
             ratios = sorted(s / u for s, u in zip(times[k], times['unsynced']))
             print(f"  {k}/unsynced per round: median {statistics.median(ratios):.3f} "
                   f"(min {ratios[0]:.3f}, max {ratios[-1]:.3f}, n={len(ratios)})")

@@ -1,6 +1,6 @@
 """Multi-process training with real processes: 2 ranks on gloo over loopback, spawned by each test and bounded in time
 (every collective times out after `TIMEOUT` s, and a rank that raises ends the test with its error)."""
-import copy, os, socket, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
+import copy, os, platform, socket, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
 import torch.nn.functional as F
 from datetime import timedelta
 from torch import nn
@@ -42,7 +42,8 @@ def _train(model:nn.Module, x, y, n_total:int, steps:int=3):
          / n_total).backward()
         opt.step(); opt.zero_grad()
 
-def _sync_worker(rank, init, out, mode, order, dtype, sizes, kernels):
+def _sync_worker(rank, init, out, mode, order, dtype, sizes, kernels, exchange):
+    if exchange == 'msg': os.environ['CLFAST_HOST_EXCHANGE'] = '0'   # gloo's messages, as between hosts
     if kernels == 'triton': os.environ.update(CLFAST_KERNELS='triton', TRITON_INTERPRET='1')   # CUDA's code path
     from clfast.fuse import fuse_conv_bn, unfuse_conv_bn
     _init(rank, init)
@@ -60,21 +61,25 @@ def _sync_worker(rank, init, out, mode, order, dtype, sizes, kernels):
         _train(DDP(model), x[lo:lo + sizes[rank]].to(dtype), y[lo:lo + sizes[rank]], len(x))
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         unfuse_conv_bn(model)
-        torch.save(dict(state=state, kinds=[type(m).__name__ for m in model.modules()]), f"{out}/rank{rank}.pt")
+        from clfast.ops import _twin
+        shared = _twin(dist.group.WORLD.group_name)[1] is not None
+        torch.save(dict(state=state, kinds=[type(m).__name__ for m in model.modules()], shared=shared), f"{out}/rank{rank}.pt")
     finally: dist.destroy_process_group()
 
 def _rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-12)).item()
 
-@pytest.mark.parametrize('mode,order,dtype,sizes,kernels', [
-    ('speed', 'fuse-first', torch.float64, (11, 5), 'cpu'),   # uneven per-rank batches: statistics weighted by counts
-    ('memory', 'convert-first', torch.float64, (8, 8), 'cpu'),
-    ('speed', 'convert-first', torch.float32, (8, 8), 'cpu'),
-    ('memory', 'fuse-first', torch.float64, (11, 5), 'triton')])   # the Triton kernels, interpreted on the CPU
-def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, sizes, kernels):
+@pytest.mark.parametrize('mode,order,dtype,sizes,kernels,exchange', [
+    ('speed', 'fuse-first', torch.float64, (11, 5), 'cpu', 'host'),   # uneven per-rank batches: weighted by counts
+    ('memory', 'convert-first', torch.float64, (8, 8), 'cpu', 'msg'),  # statistics by gloo's messages
+    ('speed', 'convert-first', torch.float32, (8, 8), 'cpu', 'host'),
+    ('memory', 'fuse-first', torch.float64, (11, 5), 'triton', 'host')])   # the Triton kernels, interpreted on the CPU
+def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, sizes, kernels, exchange):
     """2 ranks x B samples, fused and synchronized, train as one process on the same 2B samples (stock, fp64):
     parameters and running statistics after 3 SGD steps; the ranks agree exactly; unfusing gives SyncBatchNorm back"""
-    _spawn(_sync_worker, str(tmp_path/'init'), str(tmp_path), mode, order, dtype, sizes, kernels)
+    _spawn(_sync_worker, str(tmp_path/'init'), str(tmp_path), mode, order, dtype, sizes, kernels, exchange)
     ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(WORLD)]
+    if platform.machine().lower() in ('x86_64', 'amd64'):   # both ranks on this host: shared memory unless turned off
+        assert [r['shared'] for r in ranks] == [exchange == 'host'] * WORLD
     ref = _net().double()
     x, y = _data(sum(sizes))
     _train(ref, x.double(), y, len(x))

@@ -30,7 +30,7 @@ def _alive(pid:int) -> bool:
 def _shared_dir() -> str:
     return '/dev/shm' if os.path.isdir('/dev/shm') and os.access('/dev/shm', os.W_OK) else tempfile.gettempdir()
 
-# %% ../nbs/26_exchange.ipynb #34741376
+# %% ../nbs/26_exchange.ipynb #f44aa87e
 class HostExchange:
     "Rows to and from every rank of a process group on one host, through a file that all of them map (see above)"
     def __init__(self, words:Tensor, rank:int, ranks:list[int], pids:list[int], timeout:float):
@@ -71,8 +71,8 @@ class HostExchange:
         return cls(words, me, ranks, [p for _, p in every], group_timeout(pg).total_seconds())
 
     def gather(self, t:Tensor) -> Tensor|None:
-        """Every rank's `t` as float64, stacked in rank order (`[world, *t.shape]`); None, on every rank, when `t` has
-        more than `CAPACITY` values (all ranks exchange tensors of one shape)"""
+        """Every rank's `t` as float64 on `t`'s device, stacked in rank order (`[world, *t.shape]`); None, on every
+        rank, when `t` has more than `CAPACITY` values (all ranks exchange tensors of one shape)"""
         n = t.numel()
         if n > CAPACITY: return None
         self.k += 1
@@ -81,7 +81,7 @@ class HostExchange:
         self.seqs[self.rank] = k   # published after the rows
         for p in range(len(self.ranks)):
             if p != self.rank: self._wait(p, k)
-        return self.bufs[:, b, :n].clone().view(len(self.ranks), *t.shape)
+        return self.bufs[:, b, :n].to(t.device, copy=True).view(len(self.ranks), *t.shape)
 
     def _wait(self, p:int, k:int):
         """Until group rank `p` has published exchange `k`: yield the core a while (a peer is usually a little behind),

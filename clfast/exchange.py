@@ -12,7 +12,7 @@ from torch import Tensor
 # %% auto #0
 __all__ = ['CAPACITY', 'group_timeout', 'HostExchange']
 
-# %% ../nbs/26_exchange.ipynb #2af3e63e
+# %% ../nbs/26_exchange.ipynb #49d71672
 CAPACITY = 16384   # float64 values per buffer (128 KiB); a larger exchange goes through gloo's messages
 _HEADER = 8        # int64 words before a slot's buffers: its sequence number, padded to a 64-byte cache line
 
@@ -20,6 +20,8 @@ def group_timeout(pg:dist.ProcessGroup) -> timedelta:
     "The timeout `pg`'s collectives run under (what `init_process_group` or `new_group` was given)"
     try: return pg._get_backend(torch.device('cuda' if dist.get_backend(pg) == 'nccl' else 'cpu')).options._timeout
     except (AttributeError, RuntimeError): return dist.default_pg_timeout
+
+_yield = getattr(os, 'sched_yield', lambda: time.sleep(0))   # Windows has no sched_yield
 
 def _alive(pid:int) -> bool:
     try: os.kill(pid, 0)
@@ -30,7 +32,7 @@ def _alive(pid:int) -> bool:
 def _shared_dir() -> str:
     return '/dev/shm' if os.path.isdir('/dev/shm') and os.access('/dev/shm', os.W_OK) else tempfile.gettempdir()
 
-# %% ../nbs/26_exchange.ipynb #f44aa87e
+# %% ../nbs/26_exchange.ipynb #355d174b
 class HostExchange:
     "Rows to and from every rank of a process group on one host, through a file that all of them map (see above)"
     def __init__(self, words:Tensor, rank:int, ranks:list[int], pids:list[int], timeout:float):
@@ -39,7 +41,8 @@ class HostExchange:
         self.seqs = slots[:, 0].numpy()   # a numpy view: reading a peer's number costs a fraction of a µs
         self.bufs = slots[:, _HEADER:].view(torch.float64).view(world, 2, CAPACITY)
         self.rank, self.ranks, self.pids, self.timeout, self.k = rank, ranks, pids, timeout, 0
-        self.watch = all(_alive(p) for p in pids)   # peers' processes are visible here: a dead one is noticed
+        # peers' processes are visible here (POSIX: on Windows signal 0 is CTRL_C_EVENT): a dead one is noticed
+        self.watch = os.name == 'posix' and all(_alive(p) for p in pids)
 
     @classmethod
     def open(cls, pg:dist.ProcessGroup) -> HostExchange|None:
@@ -88,7 +91,7 @@ class HostExchange:
         then sleep in short steps, checking that `p`'s process is alive and the group's timeout has not passed"""
         for _ in range(1000):
             if self.seqs[p] >= k: return
-            os.sched_yield()
+            _yield()
         start = time.monotonic()
         while self.seqs[p] < k:
             time.sleep(1e-4)

@@ -32,7 +32,7 @@ def _alive(pid:int) -> bool:
 def _shared_dir() -> str:
     return '/dev/shm' if os.path.isdir('/dev/shm') and os.access('/dev/shm', os.W_OK) else tempfile.gettempdir()
 
-# %% ../nbs/26_exchange.ipynb #355d174b
+# %% ../nbs/26_exchange.ipynb #68a33543
 class HostExchange:
     "Rows to and from every rank of a process group on one host, through a file that all of them map (see above)"
     def __init__(self, words:Tensor, rank:int, ranks:list[int], pids:list[int], timeout:float):
@@ -53,11 +53,16 @@ class HostExchange:
         wanted = os.environ.get('CLFAST_HOST_EXCHANGE', '1') != '0' and platform.machine().lower() in ('x86_64', 'amd64')
         words, info = None, [None]
         if me == 0 and wanted:
-            fd, path = tempfile.mkstemp(prefix='clfast-exchange-', dir=_shared_dir())
-            os.ftruncate(fd, nwords * 8); os.close(fd)
-            words = torch.from_file(path, shared=True, size=nwords, dtype=torch.int64)
-            info = [(path, secrets.randbits(62))]
-            words[1] = info[0][1]   # the token, in slot 0's header padding
+            path = None
+            try:
+                fd, path = tempfile.mkstemp(prefix='clfast-exchange-', dir=_shared_dir())
+                os.ftruncate(fd, nwords * 8); os.close(fd)
+                words = torch.from_file(path, shared=True, size=nwords, dtype=torch.int64)
+                info = [(path, secrets.randbits(62))]
+                words[1] = info[0][1]   # the token, in slot 0's header padding
+            except (OSError, RuntimeError):   # no room or no shared directory: the others must still hear of it
+                if path: os.unlink(path)
+                words, info = None, [None]
         dist.broadcast_object_list(info, src=ranks[0], group=pg)
         ok = False
         if info[0] is not None and wanted:

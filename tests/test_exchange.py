@@ -42,6 +42,15 @@ def _optout_worker(rank, n, init):
 
 def test_one_rank_opting_out_turns_it_off_for_all(tmp_path): _spawn(_optout_worker, 2, str(tmp_path/'init'))
 
+def _no_room_worker(rank, n, init):
+    import clfast.exchange as ex
+    if rank == 0: ex._shared_dir = lambda: '/nonexistent-clfast-dir'   # the first rank cannot create the file
+    _init(rank, n, init, timeout=10)
+    assert HostExchange.open(dist.group.WORLD) is None   # every rank hears of it and keeps gloo: no hang
+    dist.destroy_process_group()
+
+def test_no_shared_file_turns_it_off_for_all(tmp_path): _spawn(_no_room_worker, 2, str(tmp_path/'init'))
+
 def _gone_worker(rank, n, init, stall):
     _init(rank, n, init, timeout=3)
     ex = HostExchange.open(dist.group.WORLD)

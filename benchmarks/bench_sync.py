@@ -36,7 +36,7 @@ def worker(rank, args, init):
     setups['no-comm'] = copy.deepcopy(setups['synced'])
     gather = ops._gather_rows
     paths = {'no-comm': lambda t, g: torch.stack([t] * args.ranks),
-             'synced-msg': lambda t, g: ops._message_rows(t, ops._group(g))}
+             'synced-msg': lambda t, g: ops._message_rows(t, ops._twin(g)[0])}
     models = {k: DDP(m.to(memory_format=torch.channels_last)) for k, m in setups.items()}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     torch.manual_seed(rank)

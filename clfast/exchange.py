@@ -10,11 +10,13 @@ import torch, torch.distributed as dist
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['CAPACITY', 'group_timeout', 'HostExchange']
+__all__ = ['CAPACITY', 'STORES_IN_ORDER', 'group_timeout', 'HostExchange']
 
-# %% ../nbs/26_exchange.ipynb #49d71672
+# %% ../nbs/26_exchange.ipynb #e2bdc676
 CAPACITY = 16384   # float64 values per buffer (128 KiB); a larger exchange goes through gloo's messages
 _HEADER = 8        # int64 words before a slot's buffers: its sequence number, padded to a 64-byte cache line
+# other cores see this CPU's stores in program order (x86-64's total store order): the protocol's one assumption
+STORES_IN_ORDER = platform.machine().lower() in ('x86_64', 'amd64')
 
 def group_timeout(pg:dist.ProcessGroup) -> timedelta:
     "The timeout `pg`'s collectives run under (what `init_process_group` or `new_group` was given)"
@@ -32,7 +34,7 @@ def _alive(pid:int) -> bool:
 def _shared_dir() -> str:
     return '/dev/shm' if os.path.isdir('/dev/shm') and os.access('/dev/shm', os.W_OK) else tempfile.gettempdir()
 
-# %% ../nbs/26_exchange.ipynb #68a33543
+# %% ../nbs/26_exchange.ipynb #31aa5a67
 class HostExchange:
     "Rows to and from every rank of a process group on one host, through a file that all of them map (see above)"
     def __init__(self, words:Tensor, rank:int, ranks:list[int], pids:list[int], timeout:float):
@@ -50,7 +52,7 @@ class HostExchange:
         hosts, no shared file, a CPU other than x86-64, or `CLFAST_HOST_EXCHANGE=0` in any rank)"""
         ranks, me = dist.get_process_group_ranks(pg), dist.get_rank(pg)
         nwords = len(ranks) * (_HEADER + 2 * CAPACITY)
-        wanted = os.environ.get('CLFAST_HOST_EXCHANGE', '1') != '0' and platform.machine().lower() in ('x86_64', 'amd64')
+        wanted = os.environ.get('CLFAST_HOST_EXCHANGE', '1') != '0' and STORES_IN_ORDER
         words, info = None, [None]
         if me == 0 and wanted:
             path = None

@@ -157,7 +157,7 @@ def kernel_backend(device_type:str):
         return REFERENCE
     return _load(device_type, _loaders[device_type])
 
-# %% ../nbs/21_ops.ipynb #7a695593
+# %% ../nbs/21_ops.ipynb #f0201a65
 def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
     "The name the ops know `pg` by; '' (no synchronization) for None or a group of one rank"
     if pg is None or dist.get_world_size(pg) == 1: return ''
@@ -177,8 +177,6 @@ def _twin(name:str) -> tuple[dist.ProcessGroup, Optional[HostExchange]]:
                               use_local_synchronization=True)
         _own_groups[name] = (pg, twin, HostExchange.open(twin) if dist.get_backend(pg) == 'gloo' else None)
     return _own_groups[name][1:]
-
-def _group(name:str) -> dist.ProcessGroup: return _twin(name)[0]
 
 def _message_rows(t:Tensor, pg:dist.ProcessGroup) -> Tensor:
     "`_gather_rows` by gloo's messages: one to and one from each other rank (0.3 ms idle on 2 ranks; all-gather 0.9 ms, all-reduce 2 ms)"

@@ -1,6 +1,6 @@
 """Multi-process training with real processes: 2 ranks on gloo over loopback, spawned by each test and bounded in time
 (every collective times out after `TIMEOUT` s, and a rank that raises ends the test with its error)."""
-import copy, os, platform, socket, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
+import copy, os, socket, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
 import torch.nn.functional as F
 from datetime import timedelta
 from torch import nn
@@ -78,7 +78,8 @@ def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, 
     parameters and running statistics after 3 SGD steps; the ranks agree exactly; unfusing gives SyncBatchNorm back"""
     _spawn(_sync_worker, str(tmp_path/'init'), str(tmp_path), mode, order, dtype, sizes, kernels, exchange)
     ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(WORLD)]
-    if platform.machine().lower() in ('x86_64', 'amd64'):   # both ranks on this host: shared memory unless turned off
+    from clfast.exchange import STORES_IN_ORDER
+    if STORES_IN_ORDER:   # both ranks on this host: shared memory unless turned off
         assert [r['shared'] for r in ranks] == [exchange == 'host'] * WORLD
     ref = _net().double()
     x, y = _data(sum(sizes))
@@ -104,8 +105,8 @@ def _reinit_worker(rank, init):
         every = [torch.empty(4) for _ in range(WORLD)]
         dist.all_gather(every, f.bn.running_mean)
         assert torch.equal(every[0], every[1])   # synchronized: both ranks computed the same statistics
-        from clfast.ops import _group   # the collectives' twin group belongs to this process group, not a destroyed one
-        assert dist.get_process_group_ranks(_group(dist.group.WORLD.group_name)) == [0, 1]
+        from clfast.ops import _twin   # the collectives' twin group belongs to this process group, not a destroyed one
+        assert dist.get_process_group_ranks(_twin(dist.group.WORLD.group_name)[0]) == [0, 1]
         dist.destroy_process_group()
 
 def test_process_group_made_again(tmp_path): _spawn(_reinit_worker, str(tmp_path/'init'))

@@ -1,10 +1,10 @@
 """`clfast.exchange.HostExchange` with real processes (gloo over loopback, file init): rows in rank order over many
 exchanges with ranks out of step, every rank falling back together, a peer that exits or stalls ending the wait"""
-import glob, os, platform, random, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
+import glob, os, random, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
 from datetime import timedelta
-from clfast.exchange import CAPACITY, HostExchange
+from clfast.exchange import CAPACITY, STORES_IN_ORDER, HostExchange
 
-pytestmark = pytest.mark.skipif(platform.machine().lower() not in ('x86_64', 'amd64'),
+pytestmark = pytest.mark.skipif(not STORES_IN_ORDER,
                                 reason="the shared-memory exchange is used on x86-64 only")
 
 def _spawn(fn, n, *args): mp.start_processes(fn, args=(n, *args), nprocs=n, join=True, start_method='spawn')

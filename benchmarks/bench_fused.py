@@ -5,6 +5,7 @@ machine is noisy. Wrap runs in `flock /tmp/clfast-cpu.lock` so they never overla
 
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py                  # all CPU sections (+ GPU if present)
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections train --models resnet50 efficientnet_b0
+    flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections overhead        # fixed cost per fused layer
 """
 from __future__ import annotations
 import argparse, copy, statistics, sys, time
@@ -159,7 +160,32 @@ def section_gpu(args):
         print(f"{k:>15}: {bs/t:8.0f} img/s  speedup vs contiguous_amp = {res['contiguous_amp'][0]/t:.3f}  "
               f"peak {mem:.2f} GiB  (first 2 steps {warm:.1f} s)")
 
-SECTIONS = {'train': section_train, 'infer': section_infer, 'gpu': section_gpu}
+def section_overhead(args):
+    """The fixed cost of one fused layer per training step, on a layer too small for the kernels to matter (batch 2,
+    8 channels, 4x4): stock conv -> BN -> ReLU, the fused layer in eager mode (the ops' Python bodies), and the same
+    through the registered ops (what a tracer sees). Median microseconds of forward + backward, rounds interleaved."""
+    from unittest import mock
+    from clfast import ops
+    print("\n## Fixed cost per layer and training step (batch 2, 8 channels, 4x4, channels-last, 1 thread)")
+    threads = torch.get_num_threads(); torch.set_num_threads(1)
+    stock = cl(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()))
+    fused = fuse_conv_bn(copy.deepcopy(stock), 'speed')
+    x = torch.randn(2, 8, 4, 4).to(memory_format=torch.channels_last).requires_grad_()
+    def steps(m, n=50):
+        def f():
+            for _ in range(n): m(x).sum().backward()
+        return f
+    def through_ops(f):
+        def g():
+            with mock.patch.object(ops, '_eager', lambda: False): f()
+        return g
+    raw = interleaved({'stock': steps(stock), 'fused (eager)': steps(fused), 'fused (registered ops)': through_ops(steps(fused))},
+                      args.rounds * 6, warmup=2)
+    for k, t in medians(raw).items(): print(f"{k:>24}: {t / 50 * 1e6:7.0f} us per layer-step")
+    print("  " + paired_ratios(raw, 'fused (registered ops)', 'fused (eager)'))
+    torch.set_num_threads(threads)
+
+SECTIONS = {'train': section_train, 'infer': section_infer, 'gpu': section_gpu, 'overhead': section_overhead}
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -13,8 +13,8 @@ from .act import ACTS, Act, get_act
 from .exchange import HostExchange, group_timeout
 
 # %% auto #0
-__all__ = ['PARAM_ROWS', 'REFERENCE', 'as_rows', 'from_rows', 'acc_dtype', 'ref_layer_fwd', 'ref_batch_stats', 'ref_layer_bwd',
-           'register_backend', 'kernel_backend', 'conv_bn_act_op', 'conv_bn_act_backward_op', 'bn_update_running_op',
+__all__ = ['PARAM_ROWS', 'REFERENCE', 'conv_bn_act_op', 'conv_bn_act_backward_op', 'bn_update_running_op', 'as_rows', 'from_rows',
+           'acc_dtype', 'ref_layer_fwd', 'ref_batch_stats', 'ref_layer_bwd', 'register_backend', 'kernel_backend',
            'fused_conv_bn']
 
 # %% ../nbs/21_ops.ipynb #7c1c64ea
@@ -217,12 +217,11 @@ def _synced_grad_means(sum_dz:Tensor, sum_dzx:Tensor, y:Tensor, group:str) -> Te
     sums = _gather_rows(mine, group).sum(0)
     return (sums[:2] / sums[2]).to(sum_dz.dtype)
 
-# %% ../nbs/21_ops.ipynb #9e9516ed
-@torch.library.custom_op("clfast::conv_bn_act", mutates_args=())
-def conv_bn_act_op(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Optional[Tensor],
-                   bn_bias:Optional[Tensor], residual:Optional[Tensor], mean:Optional[Tensor], var:Optional[Tensor],
-                   stride:list[int], padding:list[int], dilation:list[int], groups:int, eps:float, act:int,
-                   act_param:float, keep_y:bool, group:str='') -> tuple[Tensor, Tensor, Tensor]:
+# %% ../nbs/21_ops.ipynb #a914006e
+def _layer_fwd(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Optional[Tensor],
+               bn_bias:Optional[Tensor], residual:Optional[Tensor], mean:Optional[Tensor], var:Optional[Tensor],
+               stride:list[int], padding:list[int], dilation:list[int], groups:int, eps:float, act:int,
+               act_param:float, keep_y:bool, group:str='') -> tuple[Tensor, Tensor, Tensor]:
     """`(out, y, params)`: `act(bn(conv(x)) [+ residual])`, batch statistics when `mean` is None, taken over every
     rank of the process group named `group` when one is named"""
     backend = kernel_backend(x.device.type)
@@ -238,6 +237,8 @@ def conv_bn_act_op(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Opt
     params[4] = _unbiased(params[4], n)   # the batch variance the running average takes, once for every backend
     return out, y, params
 
+conv_bn_act_op = torch.library.custom_op("clfast::conv_bn_act", _layer_fwd, mutates_args=())
+
 @conv_bn_act_op.register_fake
 def _(x, weight, bias, bn_weight, bn_bias, residual, mean, var, stride, padding, dilation, groups, eps, act,
       act_param, keep_y, group=''):
@@ -245,7 +246,7 @@ def _(x, weight, bias, bn_weight, bn_bias, residual, mean, var, stride, padding,
     return torch.empty_like(y), (y if keep_y else _empty(y)), y.new_empty(len(PARAM_ROWS), y.shape[1],
                                                                           dtype=acc_dtype(y.dtype))
 
-# %% ../nbs/21_ops.ipynb #124e78ef
+# %% ../nbs/21_ops.ipynb #5488581d
 def _layout(t:Tensor) -> torch.memory_format:
     "channels_last if `t` is laid out so (and not also contiguous), else contiguous_format"
     cl = t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
@@ -257,11 +258,10 @@ def _layout_like(g:Tensor, t:Tensor) -> Tensor:
     return g if g.numel() == 0 else g.contiguous(memory_format=_layout(t))
 
 #| export
-@torch.library.custom_op("clfast::conv_bn_act_backward", mutates_args=())
-def conv_bn_act_backward_op(dout:Tensor, x:Tensor, weight:Tensor, bias:Optional[Tensor], y:Tensor, params:Tensor,
-                            residual:Optional[Tensor], out:Tensor, stride:list[int], padding:list[int],
-                            dilation:list[int], groups:int, training:bool, act:int, act_param:float,
-                            needs:list[bool], group:str='') -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Optional[Tensor], y:Tensor, params:Tensor,
+               residual:Optional[Tensor], out:Tensor, stride:list[int], padding:list[int], dilation:list[int],
+               groups:int, training:bool, act:int, act_param:float, needs:list[bool],
+               group:str='') -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     "`(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual)`; empty where not needed"
     backend = kernel_backend(x.device.type)
     bwd = lambda y, needs, grad_means=None: backend.layer_bwd(
@@ -276,6 +276,8 @@ def conv_bn_act_backward_op(dout:Tensor, x:Tensor, weight:Tensor, bias:Optional[
         dbw, dbb = (t if n else _empty(params) for t, n in ((sum_dzx, needs[3]), (sum_dz, needs[4])))
     return _layout_like(dx, x), _layout_like(dw, weight), db, dbw, dbb, dres
 
+conv_bn_act_backward_op = torch.library.custom_op("clfast::conv_bn_act_backward", _layer_bwd, mutates_args=())
+
 @conv_bn_act_backward_op.register_fake
 def _(dout, x, weight, bias, y, params, residual, out, stride, padding, dilation, groups, training, act, act_param,
       needs, group=''):
@@ -284,7 +286,7 @@ def _(dout, x, weight, bias, y, params, residual, out, stride, padding, dilation
             pick(needs[3], params[0]), pick(needs[4], params[0]),
             torch.empty_like(dout, memory_format=torch.channels_last) if needs[5] else _empty(params))
 
-# %% ../nbs/21_ops.ipynb #95909458
+# %% ../nbs/21_ops.ipynb #ed8498ee
 def _setup_context(ctx, inputs, output):
     x, weight, bias, bn_weight, bn_bias, residual, mean, var, stride, padding, dilation, groups, eps, act, p, keep_y, group = inputs
     out, y, params = output
@@ -306,9 +308,9 @@ def _backward(ctx, dout, _dy, _dparams):
     ni = ctx.needs_input_grad
     needs = [ni[0], ni[1], ni[2], ni[3], ni[4], ni[5] and ctx.has_res and ctx.act != ACTS['none'].code]
     dout = dout.to(x.dtype)
-    dx, dw, db, dbw, dbb, dres = conv_bn_act_backward_op(
-        dout, x, weight, bias, y, params, residual, _empty(x) if out is None else out, *ctx.conv, ctx.training,
-        ctx.act, ctx.p, needs, ctx.group)
+    args = (dout, x, weight, bias, y, params, residual, _empty(x) if out is None else out, *ctx.conv, ctx.training,
+            ctx.act, ctx.p, needs, ctx.group)
+    dx, dw, db, dbw, dbb, dres = _body(conv_bn_act_backward_op, *args) if _eager() else conv_bn_act_backward_op(*args)
     if ni[5] and ctx.has_res and not needs[5]: dres = dout   # no activation: the residual's gradient is dout itself
     grads = [dx, dw, db, dbw, dbb, dres]
     grads = [g if n and g.numel() else None for g, n in zip(grads, ni[:3] + (ni[3], ni[4], ni[5]))]
@@ -318,10 +320,30 @@ def _backward(ctx, dout, _dy, _dparams):
 
 conv_bn_act_op.register_autograd(_backward, setup_context=_setup_context)
 
-# %% ../nbs/21_ops.ipynb #efa1c8b7
-@torch.library.custom_op("clfast::bn_update_running", mutates_args=("running_mean", "running_var", "num_batches_tracked"))
-def bn_update_running_op(running_mean:Optional[Tensor], running_var:Optional[Tensor],
-                         num_batches_tracked:Optional[Tensor], params:Tensor, momentum:Optional[float]) -> None:
+# %% ../nbs/21_ops.ipynb #f0b1c486
+def _eager() -> bool:
+    "True in plain eager mode: nothing traces (`torch.compile`/`export`) and no dispatch or function mode is active"
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and not torch._C._is_torch_function_mode_enabled())
+
+def _body(op, *args):
+    "The Python body of the custom op `op` called directly (in eager mode), shown under the op's name in a running profiler"
+    fn = _BODIES[op]
+    if not torch.autograd._profiler_enabled(): return fn(*args)
+    with torch.profiler.record_function(op._qualname): return fn(*args)
+
+class _ConvBnAct(torch.autograd.Function):
+    "The op's own autograd formula (`_setup_context`, `_backward`) around its Python body, for plain eager calls"
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _body(conv_bn_act_op, *inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+    backward = staticmethod(_backward)
+
+# %% ../nbs/21_ops.ipynb #8963b59f
+def _update_running(running_mean:Optional[Tensor], running_var:Optional[Tensor], num_batches_tracked:Optional[Tensor],
+                    params:Tensor, momentum:Optional[float]) -> None:
     "BatchNorm's bookkeeping after a batch-statistics step: bump `num_batches_tracked`, then the running averages"
     factor = momentum
     if num_batches_tracked is not None:
@@ -333,10 +355,15 @@ def bn_update_running_op(running_mean:Optional[Tensor], running_var:Optional[Ten
     running_mean.lerp_(mean.to(running_mean.dtype), factor if isinstance(factor, float) else factor.to(running_mean.dtype))
     running_var.lerp_(var.to(running_var.dtype), factor if isinstance(factor, float) else factor.to(running_var.dtype))
 
+bn_update_running_op = torch.library.custom_op("clfast::bn_update_running", _update_running,
+                                               mutates_args=("running_mean", "running_var", "num_batches_tracked"))
+
 @bn_update_running_op.register_fake
 def _(running_mean, running_var, num_batches_tracked, params, momentum): return None
 
-# %% ../nbs/21_ops.ipynb #9df96247
+_BODIES = {conv_bn_act_op: _layer_fwd, conv_bn_act_backward_op: _layer_bwd, bn_update_running_op: _update_running}
+
+# %% ../nbs/21_ops.ipynb #4ef06bd8
 def _out_size(x:Tensor, weight:Tensor, stride, padding, dilation) -> list[int]:
     hw = [(n + 2*p - d*(k-1) - 1) // s + 1 for n, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
     return [x.shape[0], weight.shape[0], *hw]
@@ -361,8 +388,14 @@ def fused_conv_bn(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Opti
     mean = var = None
     if not batch_stats:  # copies, so that a later in-place update cannot invalidate what backward saved
         mean, var = running_mean.detach().clone(), running_var.detach().clone()
-    out, _, params = conv_bn_act_op(x, weight, bias, bn_weight, bn_bias, residual, mean, var, list(stride),
-                                    list(padding), list(dilation), groups, eps, a.code, float(act_param), keep_y, group)
+    args = (x, weight, bias, bn_weight, bn_bias, residual, mean, var, list(stride), list(padding), list(dilation),
+            groups, eps, a.code, float(act_param), keep_y, group)
+    eager = _eager()
+    if not eager: out, _, params = conv_bn_act_op(*args)
+    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:6]):
+        out, _, params = _ConvBnAct.apply(*args)
+    else: out, _, params = _body(conv_bn_act_op, *args)
     if training and (running_mean is not None or num_batches_tracked is not None):
-        bn_update_running_op(running_mean, running_var, num_batches_tracked, params.detach(), momentum)
+        stats = (running_mean, running_var, num_batches_tracked, params.detach(), momentum)
+        _body(bn_update_running_op, *stats) if eager else bn_update_running_op(*stats)
     return out

@@ -3,6 +3,7 @@ import contextlib, copy, io, pickle
 from unittest import mock
 import pytest, torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings, example, strategies as st, HealthCheck
 from clfast.act import ACTS
 from clfast.fused import FusedConvBN2d, conv_bn_act
@@ -244,16 +245,26 @@ def test_torch_compile_fullgraph(mode):
 
 @pytest.mark.parametrize('path', PATHS)
 def test_layer_is_one_op(path):
-    "Whatever the backend, a fused layer is one call of clfast::conv_bn_act (one autograd node) and one of its backward"
-    f = FusedConvBN2d(3, 4, 3, padding=1)
-    x = torch.randn(2, 3, 5, 5, requires_grad=True)
-    with cpu_path(path), torch.profiler.profile() as prof:
-        out = f(x)
-        assert 'clfast_conv_bn_act' in out.grad_fn.name()
-        out.sum().backward()
-    names = [e.name for e in prof.events()]
-    assert names.count('clfast::conv_bn_act') == 1 and names.count('clfast::conv_bn_act_backward') == 1
-    assert names.count('clfast::bn_update_running') == 1
+    """Whatever the backend, a fused layer is one autograd node, one call of clfast::conv_bn_act and one of its
+    backward: in eager mode their Python bodies (named so in the profiler), under a dispatch mode the registered ops"""
+    class Ops(TorchDispatchMode):   # what a tracer sees: the ops the dispatcher runs
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+    for mode in (contextlib.nullcontext, Ops):
+        seen, f = [], FusedConvBN2d(3, 4, 3, padding=1)
+        x = torch.randn(2, 3, 5, 5, requires_grad=True)
+        with cpu_path(path), torch.profiler.profile() as prof, mode():
+            out = f(x)
+            assert out.grad_fn.name() == ('_ConvBnActBackward' if mode is contextlib.nullcontext else
+                                          'GeneratedBackwardFor_clfast_conv_bn_act_defaultBackward')
+            assert {n[0].name() for n in out.grad_fn.next_functions if n[0]} == {'torch::autograd::AccumulateGrad'}
+            out.sum().backward()
+        # eager: the profiler's events; under the mode: the dispatched ops (the profiler records those twice, outer and inner)
+        names = [e.name.replace('::', '.') for e in prof.events()] if mode is contextlib.nullcontext else seen
+        for op in ('clfast.conv_bn_act', 'clfast.conv_bn_act_backward', 'clfast.bn_update_running'):
+            assert names.count(op) == 1, (mode, op)
+        assert f.bn.num_batches_tracked == 1 and x.grad is not None
 
 @pytest.mark.parametrize('path', PATHS)
 def test_no_double_backward(path):

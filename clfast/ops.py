@@ -320,11 +320,11 @@ def _backward(ctx, dout, _dy, _dparams):
 
 conv_bn_act_op.register_autograd(_backward, setup_context=_setup_context)
 
-# %% ../nbs/21_ops.ipynb #f0b1c486
+# %% ../nbs/21_ops.ipynb #22b69bd9
 def _eager() -> bool:
-    "True in plain eager mode: nothing traces (`torch.compile`/`export`) and no dispatch or function mode is active"
+    "True in plain eager mode: nothing traces (`torch.compile`, `export`, `jit.trace`), no dispatch or function mode is on"
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and not torch._C._is_torch_function_mode_enabled())
+            and not torch._C._is_torch_function_mode_enabled() and not torch.jit.is_tracing())
 
 def _body(op, *args):
     "The Python body of the custom op `op` called directly (in eager mode), shown under the op's name in a running profiler"

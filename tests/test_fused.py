@@ -1,5 +1,5 @@
 "FusedConvBN2d against the stock Conv2d -> BatchNorm2d (-> + residual) (-> activation) in fp64 (the oracle): outputs, gradients, running stats"
-import contextlib, copy, io, pickle
+import contextlib, copy, io, pickle, warnings
 from unittest import mock
 import pytest, torch
 from torch import nn
@@ -265,6 +265,15 @@ def test_layer_is_one_op(path):
         for op in ('clfast.conv_bn_act', 'clfast.conv_bn_act_backward', 'clfast.bn_update_running'):
             assert names.count(op) == 1, (mode, op)
         assert f.bn.num_batches_tracked == 1 and x.grad is not None
+
+def test_jit_trace_records_the_op():
+    "torch.jit.trace (no dispatch mode, no dynamo) records the registered op, not its eager Python body"
+    f, x = FusedConvBN2d(3, 4, 3, padding=1).eval(), torch.randn(2, 3, 5, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FutureWarning)   # torch.jit is deprecated, not gone
+        traced = torch.jit.trace(f, x)
+    assert 'clfast::conv_bn_act' in str(traced.graph)
+    torch.testing.assert_close(traced(x), f(x))
 
 @pytest.mark.parametrize('path', PATHS)
 def test_no_double_backward(path):

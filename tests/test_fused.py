@@ -256,8 +256,8 @@ def test_layer_is_one_op(path):
         x = torch.randn(2, 3, 5, 5, requires_grad=True)
         with cpu_path(path), torch.profiler.profile() as prof, mode():
             out = f(x)
-            assert out.grad_fn.name() == ('_ConvBnActBackward' if mode is contextlib.nullcontext else
-                                          'GeneratedBackwardFor_clfast_conv_bn_act_defaultBackward')
+            node = out.grad_fn.name()
+            assert (node == '_ConvBnActBackward') if mode is contextlib.nullcontext else ('clfast_conv_bn_act' in node)
             assert {n[0].name() for n in out.grad_fn.next_functions if n[0]} == {'torch::autograd::AccumulateGrad'}
             out.sum().backward()
         # eager: the profiler's events; under the mode: the dispatched ops (the profiler records those twice, outer and inner)

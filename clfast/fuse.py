@@ -509,39 +509,44 @@ def unfuse_conv_bn(model:nn.Module) -> nn.Module:
     _reports.pop(model, None)
     return model
 
-# %% ../nbs/24_fuse.ipynb #de0be750
+# %% ../nbs/24_fuse.ipynb #402fb45f
 class FoldedConv2d(_FusedMixin, nn.Conv2d):
     "A conv with BN folded into its weights, then (+ residual) (→ activation); pickles as a stock `nn.Conv2d`"
     _stock_class, _fused_attrs = nn.Conv2d, ('act', 'act_param', 'onednn', 'surgical', '_packed')
+    # Per call this does as little Python as it can: right after a oneDNN conv every attribute lookup runs on cold
+    # caches, and on small inputs (batch 1) that glue cost as much as 15% of a folded model's time
     def _onednn_dtype(self, x):
         "The dtype oneDNN runs this call in (fp32, or bf16 under CPU bf16 autocast / for a bf16 model), or None"
-        if not (self.onednn and x.device.type == 'cpu' and torch.backends.mkldnn.is_available()): return None
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad): return None
+        if not (self.onednn and x.is_cpu): return None
+        w = self._parameters['weight']
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad): return None
         if torch.is_autocast_enabled('cpu'):
             dt = torch.get_autocast_dtype('cpu')
-            return dt if dt == torch.bfloat16 and x.dtype in (torch.float32, torch.bfloat16) else None
-        return x.dtype if x.dtype == self.weight.dtype and x.dtype in (torch.float32, torch.bfloat16) else None
+            return dt if dt == torch.bfloat16 and x.dtype in _ONEDNN_DTYPES else None
+        return x.dtype if x.dtype == w.dtype and x.dtype in _ONEDNN_DTYPES else None
 
-    def _prepacked(self, x, dt, geom):
-        "`(weight, bias)` in `dt`, the weight reordered once into oneDNN's blocked layout for this input shape (as `torch.compile`'s freezing does)"
-        key = (tuple(x.shape), dt, self.weight._version, self.weight.data_ptr())
-        cached = self.__dict__.get('_packed')
-        if cached is None or cached[0] != key:
-            stride, padding, dilation, groups = geom
-            w = torch._C._nn.mkldnn_reorder_conv2d_weight(self.weight.detach().to(dt).to_mkldnn(), list(padding),
-                                                          list(stride), list(dilation), groups, list(x.shape))
-            b = None if self.bias is None else self.bias.detach().to(dt)
-            cached = self.__dict__['_packed'] = (key, w, b)
-        return cached[1:]
+    def _plan(self, x, dt):
+        """The call oneDNN makes for this input shape and dtype `dt`: `(key, weight, bias, padding, stride, dilation,
+        groups, unary post-op)`, the weight reordered once into oneDNN's blocked layout (as `torch.compile`'s freezing
+        does); made again when the shape, dtype or weights change"""
+        w = self._parameters['weight']
+        key = (x.shape, dt, w._version, w.data_ptr())
+        plan = self.__dict__.get('_packed')
+        if plan is None or plan[0] != key:
+            stride, padding, dilation, groups = conv_geometry(self)
+            packed = torch._C._nn.mkldnn_reorder_conv2d_weight(w.detach().to(dt).to_mkldnn(), list(padding),
+                                                               list(stride), list(dilation), groups, list(x.shape))
+            b = self._parameters['bias']
+            plan = self.__dict__['_packed'] = (key, packed, None if b is None else b.detach().to(dt), padding, stride,
+                                               dilation, groups, _onednn_unary(self.act, self.act_param))
+        return plan
 
     def _onednn(self, x, residual, dt):
-        geom = conv_geometry(self)
-        stride, padding, dilation, groups = geom
-        w, b = self._prepacked(x, dt, geom)
-        x = x.to(dt).contiguous(memory_format=torch.channels_last)
+        _, w, b, padding, stride, dilation, groups, unary = self._plan(x, dt)
+        if x.dtype != dt: x = x.to(dt)
+        if not x.is_contiguous(memory_format=torch.channels_last): x = x.contiguous(memory_format=torch.channels_last)
         if residual is None:
-            attr, scalars, algo = _onednn_unary(self.act, self.act_param)
-            return torch.ops.mkldnn._convolution_pointwise(x, w, b, padding, stride, dilation, groups, attr, scalars, algo)
+            return torch.ops.mkldnn._convolution_pointwise(x, w, b, padding, stride, dilation, groups, *unary)
         # oneDNN's conv + add post-op takes ReLU (or nothing) after the add
         act = self.act if self.act in ('relu', 'none') else 'none'
         y = torch.ops.mkldnn._convolution_pointwise.binary(x, residual.to(dt), w, b, padding, stride, dilation, groups,
@@ -565,6 +570,7 @@ class FoldedConv2d(_FusedMixin, nn.Conv2d):
         return super().__deepcopy__(memo)
     def extra_repr(self): return super().extra_repr() + f", act={self.act}"
 
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _ONEDNN_UNARY = {'none': ('none', []), 'relu': ('relu', []), 'relu6': ('hardtanh', [0., 6.]), 'silu': ('swish', []),
                  'hardswish': ('hardswish', []), 'gelu': ('gelu', []), 'gelu_tanh': ('gelu', [])}
 
@@ -593,7 +599,8 @@ def fold_conv_bn(model:nn.Module, inplace:bool=False, onednn:bool=True) -> nn.Mo
         for k in conv._fused_attrs: conv.__dict__.pop(k, None)
         conv.__class__ = FoldedConv2d
         conv._parameters['weight'], conv._parameters['bias'] = w.detach().requires_grad_(False), b.detach().requires_grad_(False)
-        conv.__dict__.update(act=act, act_param=act_param, onednn=onednn, surgical=False)
+        conv.__dict__.update(act=act, act_param=act_param, onednn=onednn and torch.backends.mkldnn.is_available(),
+                             surgical=False)
         for p,n,c in parents:
             if c is bn: setattr(p, n, nn.Identity())
     for c in m.modules():  # a folded model is not undone by unfuse_conv_bn: its BNs are gone

@@ -152,6 +152,21 @@ def test_fold(name, onednn):
     assert not any(isinstance(c, FoldedConv2d) for c in loaded.modules())
     with torch.no_grad(): torch.testing.assert_close(loaded(x), m(x), rtol=1e-3, atol=1e-4)
 
+def test_fold_repacks_when_shape_or_weights_change():
+    "The prepacked oneDNN weights follow the folded conv's weights (in-place edits, load_state_dict) and input shape"
+    torch.manual_seed(0)
+    m = randomize_bn(MODELS['timm_resnet18']()).eval()
+    f = fold_conv_bn(m)
+    stock = lambda x: pickle.loads(pickle.dumps(f))(x)   # the same weights through stock modules, no oneDNN prepacking
+    with torch.no_grad():
+        for bs, px in [(2, 64), (3, 64), (2, 48)]:
+            x = torch.randn(bs, 3, px, px).to(memory_format=torch.channels_last)
+            torch.testing.assert_close(f(x), stock(x), rtol=1e-4, atol=1e-5)
+        f.conv1.weight.mul_(-0.5)
+        torch.testing.assert_close(f(x), stock(x), rtol=1e-4, atol=1e-5)
+        f.load_state_dict({k: v * 1.5 if k.endswith('conv2.weight') else v for k, v in f.state_dict().items()})
+        torch.testing.assert_close(f(x), stock(x), rtol=1e-4, atol=1e-5)
+
 def test_fold_of_fused_model():
     m = randomize_bn(MODELS['timm_resnet18']())
     fuse_conv_bn(m).eval()

@@ -509,7 +509,7 @@ def unfuse_conv_bn(model:nn.Module) -> nn.Module:
     _reports.pop(model, None)
     return model
 
-# %% ../nbs/24_fuse.ipynb #402fb45f
+# %% ../nbs/24_fuse.ipynb #7a9a6d0a
 class FoldedConv2d(_FusedMixin, nn.Conv2d):
     "A conv with BN folded into its weights, then (+ residual) (→ activation); pickles as a stock `nn.Conv2d`"
     _stock_class, _fused_attrs = nn.Conv2d, ('act', 'act_param', 'onednn', 'surgical', '_packed')
@@ -528,15 +528,14 @@ class FoldedConv2d(_FusedMixin, nn.Conv2d):
     def _plan(self, x, dt):
         """The call oneDNN makes for this input shape and dtype `dt`: `(key, weight, bias, padding, stride, dilation,
         groups, unary post-op)`, the weight reordered once into oneDNN's blocked layout (as `torch.compile`'s freezing
-        does); made again when the shape, dtype or weights change"""
-        w = self._parameters['weight']
-        key = (x.shape, dt, w._version, w.data_ptr())
+        does); made again when the shape, dtype, weight or bias change"""
+        w, b = self._parameters['weight'], self._parameters['bias']
+        key = (x.shape, dt, w._version, w.data_ptr(), None if b is None else (b._version, b.data_ptr()))
         plan = self.__dict__.get('_packed')
         if plan is None or plan[0] != key:
             stride, padding, dilation, groups = conv_geometry(self)
             packed = torch._C._nn.mkldnn_reorder_conv2d_weight(w.detach().to(dt).to_mkldnn(), list(padding),
                                                                list(stride), list(dilation), groups, list(x.shape))
-            b = self._parameters['bias']
             plan = self.__dict__['_packed'] = (key, packed, None if b is None else b.detach().to(dt), padding, stride,
                                                dilation, groups, _onednn_unary(self.act, self.act_param))
         return plan

@@ -509,12 +509,12 @@ def unfuse_conv_bn(model:nn.Module) -> nn.Module:
     _reports.pop(model, None)
     return model
 
-# %% ../nbs/24_fuse.ipynb #7a9a6d0a
+# %% ../nbs/24_fuse.ipynb #ecd904e5
 class FoldedConv2d(_FusedMixin, nn.Conv2d):
     "A conv with BN folded into its weights, then (+ residual) (→ activation); pickles as a stock `nn.Conv2d`"
     _stock_class, _fused_attrs = nn.Conv2d, ('act', 'act_param', 'onednn', 'surgical', '_packed')
     # Per call this does as little Python as it can: right after a oneDNN conv every attribute lookup runs on cold
-    # caches, and on small inputs (batch 1) that glue cost as much as 15% of a folded model's time
+    # caches, and at batch 1 that glue was about 10% of a folded efficientnet_b0's time
     def _onednn_dtype(self, x):
         "The dtype oneDNN runs this call in (fp32, or bf16 under CPU bf16 autocast / for a bf16 model), or None"
         if not (self.onednn and x.is_cpu): return None

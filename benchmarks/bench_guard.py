@@ -3,11 +3,14 @@
 1. An affected stem (3 -> 64, 1x1, stride 2, channels-last, forward + backward): the two workarounds against each
    other, and against the unguarded stock conv, which runs in a child process (it may crash, or give wrong gradients:
    oneDNN issue 6035).
-2. timm resnet50 training steps (no affected conv): `to_channelslast`'s guard pass changes nothing, so the step is the
-   stock one; timed with and without `guard_model` run on the model, alternating.
+2. timm resnet50 training steps (no conv reaches a known-bad kernel; the 3x3 convs become `GuardedConv2d`s that check
+   their input's height per call, and at 224 px never route): timed with and without `guard_model`, alternating.
 3. `check_channelslast` on resnet50 at 224 px: first time (fresh cache directory) and cached.
+4. The short-input route (`clfast.guard.SHORT_INPUT_WGRAD`): torchvision resnet18 training steps at 64 px, batch 32
+   (layer4's 3x3 convs see 2x2 inputs), Adam: contiguous, channels-last stock, and channels-last after `guard_model`;
+   speedups are medians of the per-round paired ratios.
 
-    python benchmarks/bench_guard.py [--rounds 7] [--bs 16] [--size 224] [--skip-resnet]
+    python benchmarks/bench_guard.py [--rounds 7] [--bs 16] [--size 224] [--sections stem resnet50 check short]
 """
 import argparse, os, statistics, subprocess, sys, tempfile, textwrap, time
 import torch, torch.nn.functional as F
@@ -22,15 +25,19 @@ def stem_step(how, x0, w):
     y.backward(torch.ones_like(y))
     w.grad = None
 
-def interleaved(fns:dict, rounds:int, warmup:int=2) -> dict:
-    "Median seconds of each function, run in alternating order every round"
+def interleaved_times(fns:dict, rounds:int, warmup:int=2) -> dict:
+    "Seconds of each function per round, run in alternating order every round"
     for f in fns.values():
         for _ in range(warmup): f()
     times = {k: [] for k in fns}
     for r in range(rounds):
         for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
             t = time.perf_counter(); fns[k](); times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+def interleaved(fns:dict, rounds:int, warmup:int=2) -> dict:
+    "Median seconds of each function, run in alternating order every round"
+    return {k: statistics.median(v) for k, v in interleaved_times(fns, rounds, warmup).items()}
 
 STOCK_CHILD = '''
 import sys, time, statistics, torch, torch.nn.functional as F
@@ -94,15 +101,42 @@ def bench_check(size):
         r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'CLFAST_CACHE_DIR': d})
     print(r.stdout.rstrip() or r.stderr[-2000:])
 
+def bench_short(rounds, bs=32, size=64):
+    import copy, torchvision
+    from clfast.guard import guard_model
+    torch.manual_seed(0)
+    cl = torch.channels_last
+    base = torchvision.models.resnet18(num_classes=10)
+    models = {'contiguous': base, 'channels-last stock': copy.deepcopy(base).to(memory_format=cl)}
+    models['channels-last guarded'] = copy.deepcopy(models['channels-last stock']); guard_model(models['channels-last guarded'])
+    x = torch.randn(bs, 3, size, size); y = torch.randint(0, 10, (bs,))
+    xs = {k: x if k == 'contiguous' else x.to(memory_format=cl) for k in models}
+    opts = {k: torch.optim.Adam(m.parameters(), 1e-3) for k, m in models.items()}
+    def step(k):
+        opts[k].zero_grad(); F.cross_entropy(models[k](xs[k]), y).backward(); opts[k].step()
+    times = interleaved_times({k: (lambda k=k: step(k)) for k in models}, rounds, warmup=2)
+    print(f"\nshort-input route: torchvision resnet18 training step, {bs}x3x{size}x{size} fp32, Adam, "
+          f"{torch.get_num_threads()} threads, {rounds} rounds")
+    for k, v in times.items(): print(f"  {k:<22} {statistics.median(v)*1e3:7.1f} ms")
+    def paired(a, b):
+        r = sorted(x / y for x, y in zip(times[a], times[b]))
+        return f"{statistics.median(r):.3f} [{r[len(r)//4]:.3f}-{r[(3*len(r))//4]:.3f}]"
+    print(f"  speedup over contiguous: stock channels-last {paired('contiguous', 'channels-last stock')}, "
+          f"guarded {paired('contiguous', 'channels-last guarded')}")
+    print(f"  guarded over stock channels-last: {paired('channels-last stock', 'channels-last guarded')}")
+
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--rounds', type=int, default=7); p.add_argument('--bs', type=int, default=16)
     p.add_argument('--size', type=int, default=224); p.add_argument('--skip-resnet', action='store_true')
+    p.add_argument('--sections', nargs='+', default=['stem', 'resnet50', 'check', 'short'],
+                   choices=['stem', 'resnet50', 'check', 'short'])
     a = p.parse_args()
+    sections = [s for s in a.sections if not (a.skip_resnet and s in ('resnet50', 'check'))]
     from clfast.guard import onednn_isa
     from clfast.machine import machine_key
     print(f"{machine_key()} | oneDNN ISA {onednn_isa()}\n")
-    bench_stem(a.bs, a.size, a.rounds)
-    if not a.skip_resnet:
-        bench_resnet50(8, a.size, max(3, a.rounds // 2))
-        bench_check(a.size)
+    if 'stem' in sections: bench_stem(a.bs, a.size, a.rounds)
+    if 'resnet50' in sections: bench_resnet50(8, a.size, max(3, a.rounds // 2))
+    if 'check' in sections: bench_check(a.size)
+    if 'short' in sections: bench_short(max(a.rounds, 10))

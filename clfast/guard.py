@@ -13,8 +13,9 @@ from torch._prims_common import suggest_memory_format
 from .machine import cpu_flags, MachineCache
 
 # %% auto #0
-__all__ = ['ISA_ORDER', 'KNOWN_BAD_KERNELS', 'CHECK_CACHE', 'CHECK_TOLERANCE', 'BadKernel', 'onednn_isa', 'bad_kernels_for',
-           'guard_acts', 'guard_conv_call', 'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model',
+__all__ = ['ISA_ORDER', 'KNOWN_BAD_KERNELS', 'SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'CHECK_CACHE', 'CHECK_TOLERANCE',
+           'BadKernel', 'onednn_isa', 'bad_kernels_for', 'guard_acts', 'guard_conv_call', 'SlowKernel',
+           'may_meet_short_input', 'short_input_plan', 'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model',
            'guard_report', 'conv_numerics', 'check_worker']
 
 # %% ../nbs/05_guard.ipynb #7d348307
@@ -97,11 +98,46 @@ def guard_conv_call(run, x:Tensor, weight:Tensor, stride:tuple, plan, residual:T
     out = run(nchw(x), nchw(weight), stride, None if residual is None else nchw(residual))
     return out.contiguous(memory_format=torch.channels_last) if cl else out
 
-# %% ../nbs/05_guard.ipynb #ba7caf56
+# %% ../nbs/05_guard.ipynb #2e7d731e
+@dataclass(frozen=True)
+class SlowKernel:
+    "A stock channels-last kernel that is right but slow for some inputs, and the torch versions known to have it"
+    op: str
+    torch_from: str           # first torch version measured slow (older not checked: the route is exact anyway)
+    torch_fixed: str|None     # first torch version without it; None while it is there
+    reference: str
+    def present(self, version:str=torch.__version__) -> bool:
+        v = TorchVersion(version)
+        return v >= self.torch_from and (self.torch_fixed is None or v < self.torch_fixed)
+
+SHORT_INPUT_WGRAD = SlowKernel(
+    op='aten.convolution_backward (CPU, channels-last): an input shorter than the dilated kernel costs two extra '
+       'weight-sized permuting copies of the weight gradient',
+    torch_from='2.14', torch_fixed=None,
+    reference='measured on torch 2.14.1 (tests/test_guard.py::test_short_input_slow_path_is_still_there)')
+_SHORT_INPUT_PLAN = ('contiguous', True, SHORT_INPUT_WGRAD.op)
+SHORT_INPUT_MIN_WEIGHT = 1 << 20   # weight values: smaller weights keep the stock path (see `short_input_plan`)
+
+def may_meet_short_input(conv:nn.Module, version:str=torch.__version__) -> bool:
+    "Whether a stock conv can ever take `SHORT_INPUT_WGRAD`'s slow path: a kernel taller than one row, zero padding"
+    return (isinstance(conv, nn.Conv2d) and conv.padding_mode == 'zeros' and conv.kernel_size[0] > 1
+            and SHORT_INPUT_WGRAD.present(version))
+
+def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
+    "The `'contiguous'` plan when this channels-last call of `conv` would take the slow path and routing it costs less"
+    if not may_meet_short_input(conv) or x.dim() != 4: return None
+    if x.shape[-2] >= conv.dilation[0] * (conv.kernel_size[0] - 1) + 1: return None   # tall enough: the fast path
+    # ATen's extra copies are of the weight, the route's of x too; below about 1M weight values ATen's stay in cache
+    # and cost what the route does (measured, 32x2x2 inputs: 256 channels 7.2 ms stock vs 7.6 routed, 384: 28 vs 20)
+    if weight.numel() < SHORT_INPUT_MIN_WEIGHT or weight.numel() <= x.numel(): return None
+    if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
+    return _SHORT_INPUT_PLAN
+
+# %% ../nbs/05_guard.ipynb #7af011f9
 class GuardedConv2d(nn.Conv2d):
     "A stock `nn.Conv2d` whose conv runs through `guard_conv_call`; pickles as `nn.Conv2d`, without the plan"
     def _conv_forward(self, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
-        plan = self.__dict__.get('_cl_guard')
+        plan = self.__dict__.get('_cl_guard') or short_input_plan(self, input, weight)
         if plan is None or plan[0] != 'subsample': run = lambda x, w, stride, res: self._stock_conv(x, w, bias)
         else: run = lambda x, w, stride, res: F.conv2d(x, w, bias, stride, 0, self.dilation, self.groups)
         return guard_conv_call(run, input, weight, self.stride, plan)
@@ -147,7 +183,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None):
         return (how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #2a09d48e
+# %% ../nbs/05_guard.ipynb #ef80bda6
 def _is_fused_conv(m) -> bool:
     "A conv whose forward is clfast's fused op (surgery keeps the BN in `_fused_bn`; a standalone FusedConvBN2d has `fused_bn`)"
     return isinstance(m, nn.Conv2d) and ('_fused_bn' in m.__dict__ or isinstance(getattr(type(m), 'fused_bn', None), property))
@@ -166,7 +202,9 @@ def guard_model(model:nn.Module) -> list:
     failures, guarded, skipped = _checked_failures(), [], []
     for name, m in model.named_modules():
         plan = guard_plan(m, failures)
-        if plan is None: continue
+        if plan is None:
+            if type(m) is nn.Conv2d and may_meet_short_input(m): m.__class__ = GuardedConv2d   # routed per call
+            continue
         if type(m) is nn.Conv2d: m.__class__ = GuardedConv2d
         elif not _is_fused_conv(m):   # a frozen conv (folded for inference) never computes the bad weight gradient
             if not (plan[1] and not m.weight.requires_grad): skipped.append((name, type(m).__name__))

@@ -8,7 +8,7 @@ from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat,
 import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import guard, check
 from clfast.guard import (KNOWN_BAD_KERNELS, GuardedConv2d, guard_conv_call, guard_model, unguard_model, guard_report,
-                          onednn_isa, bad_kernels_for)
+                          onednn_isa, bad_kernels_for, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD)
 from clfast.fuse import fusion_report, unfuse_conv_bn
 from clfast.fused import FusedConvBN2d
 from clfast.audit import audit
@@ -153,12 +153,57 @@ def test_guard_survives_fit_export_and_undo(tmp_path):
     assert type(learn.model[0][0]) is nn.Conv2d and '_cl_guard' not in learn.model[0][0].__dict__
 
 def test_no_cost_where_no_conv_is_affected():
-    "A model without affected convs is left exactly as it was: no class swapped, nothing stored"
+    "A model without affected convs keeps everything but the class of convs that may meet a short input: no plan stored"
     from helpers import conv_net
     net = conv_net(3)
-    before = [(type(m), dict(m.__dict__)) for m in net.modules()]
-    assert guard_model(net) == []
+    before = [(GuardedConv2d if type(m) is nn.Conv2d and may_meet_short_input(m) else type(m), dict(m.__dict__))
+              for m in net.modules()]
+    assert guard_model(net) == [] and guard_report(net) == []
     assert [(type(m), dict(m.__dict__)) for m in net.modules()] == before
+
+# --- the short-input route (SHORT_INPUT_WGRAD): right but slow stock kernels ------------------------------------------
+
+CL = torch.channels_last
+
+def _weight_copies(conv, x) -> int:
+    "How many weight-shaped copies one forward + backward of `conv` on `x` makes"
+    from torch.profiler import profile, ProfilerActivity
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as p: conv(x).sum().backward()
+    shape = list(conv.weight.shape)
+    return sum(1 for e in p.events() if e.name == 'aten::copy_' and e.input_shapes and list(e.input_shapes[0]) == shape)
+
+def test_short_input_slow_path_is_still_there():
+    "The route's premise: stock channels-last conv backward copies the weight once more for an input shorter than the "
+    "kernel (and not in nchw). When a torch release drops that copy this fails: set SHORT_INPUT_WGRAD.torch_fixed."
+    conv = nn.Conv2d(384, 384, 3, padding=1, bias=False).to(memory_format=CL)
+    short, tall = (torch.randn(4, 384, h, 4).to(memory_format=CL).requires_grad_() for h in (2, 3))
+    assert _weight_copies(conv, short) == _weight_copies(conv, tall) + 1
+    nchw = copy.deepcopy(conv).to(memory_format=torch.contiguous_format)
+    assert _weight_copies(nchw, short.detach().contiguous().requires_grad_()) == 0
+    assert SHORT_INPUT_WGRAD.present() and not SHORT_INPUT_WGRAD.present('2.13.0')
+
+def test_short_input_route_trains_as_fp64():
+    "resnet18 at 64 px: layer4's 3x3 convs (2x2 inputs) are routed in training; every gradient matches fp64, "
+    "and the audit lists them as guarded instead of reporting the route's own copies"
+    import torchvision
+    torch.manual_seed(0)
+    ref = torchvision.models.resnet18(num_classes=10).double()
+    m = copy.deepcopy(ref).float().to(memory_format=CL); guard_model(m)
+    routed = []
+    hooks = [c.register_forward_pre_hook(lambda c, a, n=n: routed.append(n) if short_input_plan(c, a[0], c.weight) else None)
+             for n, c in m.named_modules() if isinstance(c, nn.Conv2d)]
+    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
+    m(x.float().to(memory_format=CL)).pow(2).sum().backward()
+    for h in hooks: h.remove()
+    assert routed == ['layer4.0.conv2', 'layer4.1.conv1', 'layer4.1.conv2']
+    ref(x).pow(2).sum().backward()
+    for (n, p), p64 in zip(m.named_parameters(), ref.parameters()):
+        err = ((p.grad.double() - p64.grad).abs().max() / p64.grad.abs().max()).item()
+        assert err < 1e-4, (n, err)
+    r = audit(m, x.float().to(memory_format=CL))
+    assert r.ok, r
+    assert [n for n, *_ in r.guarded] == routed and 'shorter than the dilated kernel' in str(r)
+    with torch.no_grad(): assert audit(m, x.float().to(memory_format=CL), backward=False).guarded == []   # inference: stock
 
 def test_unguardable_conv_warns():
     "An affected conv that is not a stock nn.Conv2d (nor fused) cannot be guarded: the warning says what to do"

@@ -182,35 +182,40 @@ def test_short_input_slow_path_is_still_there():
     assert _weight_copies(nchw, short.detach().contiguous().requires_grad_()) == 0
     assert SHORT_INPUT_WGRAD.present() and not SHORT_INPUT_WGRAD.present('2.13.0')
 
-def test_short_input_route_trains_as_fp64():
-    "resnet18 at 64 px: layer4's 3x3 convs (2x2 inputs) are routed in training; every gradient matches fp64, "
-    "and the audit lists them as guarded instead of reporting the route's own copies"
+@pytest.mark.parametrize('fuse', [None, 'speed', 'memory'])
+def test_short_input_route_acts_where_it_should_and_equals_fp64(fuse):
+    "resnet18 at 64 px in training: exactly layer4's 3x3 convs on 2x2 inputs are routed, stock or fused; each routed "
+    "conv, on the input it got, gives fp64's output and gradients (the fused layers' own path through the 'contiguous' "
+    "workaround: test_learner_gradients_equal_fp64); the audit lists them as guarded, not the route's own copies"
     import torchvision
+    from clfast.fuse import fuse_conv_bn
     torch.manual_seed(0)
-    ref = torchvision.models.resnet18(num_classes=10).double()
-    m = copy.deepcopy(ref).float().to(memory_format=CL); guard_model(m)
-    routed = []
-    hooks = [c.register_forward_pre_hook(lambda c, a, n=n: routed.append(n) if short_input_plan(c, a[0], c.weight) else None)
+    m = torchvision.models.resnet18(num_classes=10).to(memory_format=CL)
+    if fuse: fuse_conv_bn(m, fuse)
+    guard_model(m)
+    seen = {}
+    hooks = [c.register_forward_pre_hook(lambda c, a, n=n: seen.update({n: a[0].detach()}) if short_input_plan(c, a[0], c.weight) else None)
              for n, c in m.named_modules() if isinstance(c, nn.Conv2d)]
-    x = torch.randn(4, 3, 64, 64, dtype=torch.float64)
-    m(x.float().to(memory_format=CL)).pow(2).sum().backward()
+    x = torch.randn(4, 3, 64, 64).to(memory_format=CL)
+    m(x).sum().backward()
     for h in hooks: h.remove()
-    assert routed == ['layer4.0.conv2', 'layer4.1.conv1', 'layer4.1.conv2']
-    ref(x).pow(2).sum().backward()
-    for (n, p), p64 in zip(m.named_parameters(), ref.parameters()):
-        err = ((p.grad.double() - p64.grad).abs().max() / p64.grad.abs().max()).item()
-        assert err < 1e-4, (n, err)
-    r = audit(m, x.float().to(memory_format=CL))
+    assert list(seen) == ['layer4.0.conv2', 'layer4.1.conv1', 'layer4.1.conv2']
+    r = audit(m, x)
     assert r.ok, r
-    assert [n for n, *_ in r.guarded] == routed and 'shorter than the dilated kernel' in str(r)
-    with torch.no_grad(): assert audit(m, x.float().to(memory_format=CL), backward=False).guarded == []   # inference: stock
-
-def test_unguardable_conv_warns():
-    "An affected conv that is not a stock nn.Conv2d (nor fused) cannot be guarded: the warning says what to do"
-    class MyConv(nn.Conv2d): pass
-    net = nn.Sequential(MyConv(3, 8, 1, stride=2))
-    if not _affected_here(): pytest.skip("no known-bad kernel on this CPU")
-    with pytest.warns(UserWarning, match='to_contiguous'): guard_model(net)
+    assert [n for n, *_ in r.guarded] == list(seen) and 'shorter than the dilated kernel' in str(r)
+    assert audit(m, x, backward=False).ok
+    if fuse: return
+    for name, xi in seen.items():
+        conv = m.get_submodule(name); conv.weight.grad = None
+        xi = xi.requires_grad_()
+        out = conv(xi)
+        dy = torch.randn(out.shape, dtype=torch.float64)
+        out.backward(dy.float())
+        x64, w64 = xi.detach().double().requires_grad_(), conv.weight.detach().double().requires_grad_()
+        out64 = torch.nn.functional.conv2d(x64, w64, None, conv.stride, conv.padding)
+        out64.backward(dy)
+        for a, b in ((out, out64), (xi.grad, x64.grad), (conv.weight.grad, w64.grad)):
+            assert ((a.double() - b).abs().max() / b.abs().max()).item() < 1e-5, name
 
 # --- the numerics self-check -----------------------------------------------------------------------------------------
 

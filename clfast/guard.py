@@ -98,7 +98,7 @@ def guard_conv_call(run, x:Tensor, weight:Tensor, stride:tuple, plan, residual:T
     out = run(nchw(x), nchw(weight), stride, None if residual is None else nchw(residual))
     return out.contiguous(memory_format=torch.channels_last) if cl else out
 
-# %% ../nbs/05_guard.ipynb #2e7d731e
+# %% ../nbs/05_guard.ipynb #c626b0d3
 @dataclass(frozen=True)
 class SlowKernel:
     "A stock channels-last kernel that is right but slow for some inputs, and the torch versions known to have it"
@@ -111,15 +111,15 @@ class SlowKernel:
         return v >= self.torch_from and (self.torch_fixed is None or v < self.torch_fixed)
 
 SHORT_INPUT_WGRAD = SlowKernel(
-    op='aten.convolution_backward (CPU, channels-last): an input shorter than the dilated kernel costs two extra '
-       'weight-sized permuting copies of the weight gradient',
+    op='aten.convolution_backward (CPU, channels-last): an input shorter than the dilated kernel adds a weight-sized '
+       'permuting copy (weight.contiguous()) to the .to(channels_last) of the weight gradient; nchw makes neither',
     torch_from='2.14', torch_fixed=None,
     reference='measured on torch 2.14.1 (tests/test_guard.py::test_short_input_slow_path_is_still_there)')
 _SHORT_INPUT_PLAN = ('contiguous', True, SHORT_INPUT_WGRAD.op)
 SHORT_INPUT_MIN_WEIGHT = 1 << 20   # weight values: smaller weights keep the stock path (see `short_input_plan`)
 
 def may_meet_short_input(conv:nn.Module, version:str=torch.__version__) -> bool:
-    "Whether a stock conv can ever take `SHORT_INPUT_WGRAD`'s slow path: a kernel taller than one row, zero padding"
+    "Whether `conv` (stock or fused) can ever take `SHORT_INPUT_WGRAD`'s slow path: a kernel taller than one row, zero padding"
     return (isinstance(conv, nn.Conv2d) and conv.padding_mode == 'zeros' and conv.kernel_size[0] > 1
             and SHORT_INPUT_WGRAD.present(version))
 

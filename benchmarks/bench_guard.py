@@ -6,7 +6,8 @@
 2. timm resnet50 training steps (no conv reaches a known-bad kernel; the 3x3 convs become `GuardedConv2d`s that check
    their input's height per call, and at 224 px never route): timed with and without `guard_model`, alternating.
 3. `check_channelslast` on resnet50 at 224 px: first time (fresh cache directory) and cached.
-4. The short-input route (`clfast.guard.SHORT_INPUT_WGRAD`): torchvision resnet18 training steps at 64 px, batch 32
+4. The short-input route (`clfast.guard.SHORT_INPUT_WGRAD`): one 3x3 conv on 2x2 inputs per width, stock against
+   routed, and a plan-less GuardedConv2d's cost per call; then torchvision resnet18 training steps at 64 px, batch 32
    (layer4's 3x3 convs see 2x2 inputs), Adam: contiguous, channels-last stock, and channels-last after `guard_model`;
    speedups are medians of the per-round paired ratios.
 
@@ -101,6 +102,35 @@ def bench_check(size):
         r = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'CLFAST_CACHE_DIR': d})
     print(r.stdout.rstrip() or r.stderr[-2000:])
 
+def bench_short_convs(rounds):
+    "One 3x3 conv on a 32x2x2 channels-last input, forward + backward: stock against routed, per width (the figures "
+    "behind SHORT_INPUT_MIN_WEIGHT); then what a GuardedConv2d without a plan adds to a call on a tall input"
+    import copy
+    from clfast.guard import guard_model, short_input_plan
+    cl = torch.channels_last
+    print(f"\nshort-input route per conv: 3x3, 32xCx2x2 channels-last input, forward + backward, {rounds} rounds")
+    for c in (256, 384, 512):
+        stock = nn.Conv2d(c, c, 3, padding=1, bias=False).to(memory_format=cl)
+        routed = copy.deepcopy(stock); guard_model(routed)
+        x = torch.randn(32, c, 2, 2).to(memory_format=cl).requires_grad_(); g = torch.randn(32, c, 2, 2).to(memory_format=cl)
+        def step(m):
+            m.weight.grad = None; x.grad = None; m(x).backward(g)
+        t = interleaved_times({'stock': lambda: step(stock), 'routed': lambda: step(routed)}, rounds)
+        r = sorted(a / b for a, b in zip(t['stock'], t['routed']))
+        print(f"  {c} channels ({c*c*9/1e6:.2f}M weights, routed: {short_input_plan(routed, x, routed.weight) is not None}): "
+              f"stock {statistics.median(t['stock'])*1e3:.1f} ms, routed {statistics.median(t['routed'])*1e3:.1f} ms, "
+              f"stock / routed {statistics.median(r):.3f}")
+    stock = nn.Conv2d(8, 8, 3, padding=1).to(memory_format=cl)
+    guarded = copy.deepcopy(stock); guard_model(guarded)
+    x = torch.randn(1, 8, 8, 8).to(memory_format=cl)
+    def calls(m, n=5000):
+        t = time.perf_counter()
+        for _ in range(n): m(x)
+        return (time.perf_counter() - t) / n
+    t = interleaved_times({'stock': lambda: calls(stock), 'guarded': lambda: calls(guarded)}, 7)
+    print(f"  a GuardedConv2d without a plan, tall input (1x8x8x8, 3x3, forward with grad): "
+          f"+{(statistics.median(t['guarded']) - statistics.median(t['stock'])) / 5000 * 1e6:.1f} us per call over stock")
+
 def bench_short(rounds, bs=32, size=64):
     import copy, torchvision
     from clfast.guard import guard_model
@@ -139,4 +169,4 @@ if __name__ == '__main__':
     if 'stem' in sections: bench_stem(a.bs, a.size, a.rounds)
     if 'resnet50' in sections: bench_resnet50(8, a.size, max(3, a.rounds // 2))
     if 'check' in sections: bench_check(a.size)
-    if 'short' in sections: bench_short(max(a.rounds, 10))
+    if 'short' in sections: bench_short_convs(max(a.rounds, 20)); bench_short(max(a.rounds, 10))

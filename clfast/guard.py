@@ -98,7 +98,7 @@ def guard_conv_call(run, x:Tensor, weight:Tensor, stride:tuple, plan, residual:T
     out = run(nchw(x), nchw(weight), stride, None if residual is None else nchw(residual))
     return out.contiguous(memory_format=torch.channels_last) if cl else out
 
-# %% ../nbs/05_guard.ipynb #c626b0d3
+# %% ../nbs/05_guard.ipynb #b26bcc61
 @dataclass(frozen=True)
 class SlowKernel:
     "A stock channels-last kernel that is right but slow for some inputs, and the torch versions known to have it"
@@ -118,27 +118,31 @@ SHORT_INPUT_WGRAD = SlowKernel(
 _SHORT_INPUT_PLAN = ('contiguous', True, SHORT_INPUT_WGRAD.op)
 SHORT_INPUT_MIN_WEIGHT = 1 << 20   # weight values: smaller weights keep the stock path (see `short_input_plan`)
 
-def may_meet_short_input(conv:nn.Module, version:str=torch.__version__) -> bool:
+_SHORT_INPUT_HERE = SHORT_INPUT_WGRAD.present()   # once: a version comparison costs microseconds, and this runs per call
+
+def may_meet_short_input(conv:nn.Module, version:str|None=None) -> bool:
     "Whether `conv` (stock or fused) can ever take `SHORT_INPUT_WGRAD`'s slow path: a kernel taller than one row, zero padding"
-    return (isinstance(conv, nn.Conv2d) and conv.padding_mode == 'zeros' and conv.kernel_size[0] > 1
-            and SHORT_INPUT_WGRAD.present(version))
+    present = _SHORT_INPUT_HERE if version is None else SHORT_INPUT_WGRAD.present(version)
+    return isinstance(conv, nn.Conv2d) and conv.padding_mode == 'zeros' and conv.kernel_size[0] > 1 and present
 
 def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     "The `'contiguous'` plan when this channels-last call of `conv` would take the slow path and routing it costs less"
-    if not may_meet_short_input(conv) or x.dim() != 4: return None
-    if x.shape[-2] >= conv.dilation[0] * (conv.kernel_size[0] - 1) + 1: return None   # tall enough: the fast path
+    # the cheapest test first: it runs on every call of every guarded conv, and almost always ends here
+    if x.dim() != 4 or x.shape[-2] >= conv.dilation[0] * (conv.kernel_size[0] - 1) + 1: return None   # tall enough
+    if x.device.type != 'cpu' or not may_meet_short_input(conv): return None
     # ATen's extra copies are of the weight, the route's of x too; below about 1M weight values ATen's stay in cache
-    # and cost what the route does (measured, 32x2x2 inputs: 256 channels 7.2 ms stock vs 7.6 routed, 384: 28 vs 20)
+    # and cost what the route does (bench_guard.py --sections short: 256 channels 7.2-7.3 ms stock vs 7.1-7.6 routed)
     if weight.numel() < SHORT_INPUT_MIN_WEIGHT or weight.numel() <= x.numel(): return None
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/05_guard.ipynb #7af011f9
+# %% ../nbs/05_guard.ipynb #1ceac46c
 class GuardedConv2d(nn.Conv2d):
     "A stock `nn.Conv2d` whose conv runs through `guard_conv_call`; pickles as `nn.Conv2d`, without the plan"
     def _conv_forward(self, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
         plan = self.__dict__.get('_cl_guard') or short_input_plan(self, input, weight)
-        if plan is None or plan[0] != 'subsample': run = lambda x, w, stride, res: self._stock_conv(x, w, bias)
+        if plan is None: return self._stock_conv(input, weight, bias)
+        if plan[0] != 'subsample': run = lambda x, w, stride, res: self._stock_conv(x, w, bias)
         else: run = lambda x, w, stride, res: F.conv2d(x, w, bias, stride, 0, self.dilation, self.groups)
         return guard_conv_call(run, input, weight, self.stride, plan)
 

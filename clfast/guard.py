@@ -16,7 +16,7 @@ from .machine import cpu_flags, MachineCache
 __all__ = ['ISA_ORDER', 'KNOWN_BAD_KERNELS', 'SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'CHECK_CACHE', 'CHECK_TOLERANCE',
            'BadKernel', 'onednn_isa', 'bad_kernels_for', 'guard_acts', 'guard_conv_call', 'SlowKernel',
            'may_meet_short_input', 'short_input_plan', 'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model',
-           'guard_report', 'conv_numerics', 'check_worker']
+           'call_plan', 'short_input_route', 'guard_report', 'conv_numerics', 'check_worker']
 
 # %% ../nbs/05_guard.ipynb #7d348307
 ISA_ORDER = ('sse41', 'avx', 'avx2', 'avx512')   # the oneDNN x86 ISA families clfast tells apart, lowest first
@@ -136,11 +136,11 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/05_guard.ipynb #1ceac46c
+# %% ../nbs/05_guard.ipynb #1129fa61
 class GuardedConv2d(nn.Conv2d):
     "A stock `nn.Conv2d` whose conv runs through `guard_conv_call`; pickles as `nn.Conv2d`, without the plan"
     def _conv_forward(self, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
-        plan = self.__dict__.get('_cl_guard') or short_input_plan(self, input, weight)
+        plan = call_plan(self, input, weight)
         if plan is None: return self._stock_conv(input, weight, bias)
         if plan[0] != 'subsample': run = lambda x, w, stride, res: self._stock_conv(x, w, bias)
         else: run = lambda x, w, stride, res: F.conv2d(x, w, bias, stride, 0, self.dilation, self.groups)
@@ -187,7 +187,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None):
         return (how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #ef80bda6
+# %% ../nbs/05_guard.ipynb #6dc55eae
 def _is_fused_conv(m) -> bool:
     "A conv whose forward is clfast's fused op (surgery keeps the BN in `_fused_bn`; a standalone FusedConvBN2d has `fused_bn`)"
     return isinstance(m, nn.Conv2d) and ('_fused_bn' in m.__dict__ or isinstance(getattr(type(m), 'fused_bn', None), property))
@@ -222,6 +222,16 @@ def guard_model(model:nn.Module) -> list:
                       "contiguous (learn.to_contiguous()) or replace them with nn.Conv2d.", stacklevel=2)
     if guarded: _guard_reports[model] = guarded
     return guarded
+
+def call_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
+    "The plan one call of a guarded or fused `conv` runs under: the one `guard_model` stored, else the short-input route's"
+    return conv.__dict__.get('_cl_guard') or short_input_plan(conv, x, weight)
+
+def short_input_route(conv:nn.Module, x:Tensor):
+    "The short-input plan when this call of `conv` is routed (a guarded or fused conv with no stored plan), else None"
+    if '_cl_guard' in conv.__dict__ or not (type(conv) is GuardedConv2d or _is_fused_conv(conv)): return None
+    plan = short_input_plan(conv, x, conv.weight)
+    return plan if guard_acts(plan, x, conv.weight) else None
 
 def guard_report(model:nn.Module) -> list:
     "Where the guard acts in `model`: [(qualified conv name, workaround, why)]"

@@ -217,6 +217,13 @@ def test_short_input_route_acts_where_it_should_and_equals_fp64(fuse):
         for a, b in ((out, out64), (xi.grad, x64.grad), (conv.weight.grad, w64.grad)):
             assert ((a.double() - b).abs().max() / b.abs().max()).item() < 1e-5, name
 
+def test_unguardable_conv_warns():
+    "An affected conv that is not a stock nn.Conv2d (nor fused) cannot be guarded: the warning says what to do"
+    class MyConv(nn.Conv2d): pass
+    net = nn.Sequential(MyConv(3, 8, 1, stride=2))
+    if not _affected_here(): pytest.skip("no known-bad kernel on this CPU")
+    with pytest.warns(UserWarning, match='to_contiguous'): guard_model(net)
+
 # --- the numerics self-check -----------------------------------------------------------------------------------------
 
 @pytest.fixture

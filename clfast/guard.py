@@ -98,7 +98,7 @@ def guard_conv_call(run, x:Tensor, weight:Tensor, stride:tuple, plan, residual:T
     out = run(nchw(x), nchw(weight), stride, None if residual is None else nchw(residual))
     return out.contiguous(memory_format=torch.channels_last) if cl else out
 
-# %% ../nbs/05_guard.ipynb #b26bcc61
+# %% ../nbs/05_guard.ipynb #6f834da1
 @dataclass(frozen=True)
 class SlowKernel:
     "A stock channels-last kernel that is right but slow for some inputs, and the torch versions known to have it"
@@ -127,8 +127,10 @@ def may_meet_short_input(conv:nn.Module, version:str|None=None) -> bool:
 
 def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     "The `'contiguous'` plan when this channels-last call of `conv` would take the slow path and routing it costs less"
-    # the cheapest test first: it runs on every call of every guarded conv, and almost always ends here
-    if x.dim() != 4 or x.shape[-2] >= conv.dilation[0] * (conv.kernel_size[0] - 1) + 1: return None   # tall enough
+    # the cheapest test first: it runs on every call of every guarded conv, and almost always ends here (under
+    # jit.trace a size is a traced value, and comparing it warns: a trace keeps the stock conv)
+    if x.dim() != 4 or torch.jit.is_tracing(): return None
+    if x.shape[-2] >= conv.dilation[0] * (conv.kernel_size[0] - 1) + 1: return None   # tall enough
     if x.device.type != 'cpu' or not may_meet_short_input(conv): return None
     # ATen's extra copies are of the weight, the route's of x too; below about 1M weight values ATen's stay in cache
     # and cost what the route does (bench_guard.py --sections short: 256 channels 7.2-7.3 ms stock vs 7.1-7.6 routed)

@@ -11,7 +11,8 @@ import torch
 import clfast
 
 # %% auto #0
-__all__ = ['CSRC', 'SOURCES', 'cpu_isa', 'missing_toolchain', 'build_flags', 'ext_name', 'library_path', 'is_built', 'load']
+__all__ = ['CSRC', 'SOURCES', 'POINTWISE_BACKWARD', 'cpu_isa', 'missing_toolchain', 'build_flags', 'ext_name', 'library_path',
+           'is_built', 'load', 'set_pointwise_backward', 'pointwise_choices']
 
 # %% ../nbs/22_cpu_kernels.ipynb #82c3f340
 CSRC = Path(clfast.__file__).parent/'csrc'
@@ -91,3 +92,19 @@ def load(verbose:bool=False) -> SimpleNamespace:
             if fresh: _say(f"C++ CPU kernels compiled in {time.perf_counter() - t0:.0f} s")
     ops = torch.ops.clfast_cpu
     return SimpleNamespace(layer_fwd=ops.layer_fwd, layer_bwd=ops.layer_bwd, batch_stats=ops.batch_stats)
+
+# %% ../nbs/22_cpu_kernels.ipynb #ccdb7c1a
+POINTWISE_BACKWARD = ('conv', 'gemm', 'timed')
+
+def set_pointwise_backward(how:str) -> str:
+    "Compute a fused layer's pointwise (1x1, stride 1) conv backward on the CPU by 'conv' (ATen), 'gemm' (two matrix products) or 'timed' (the faster per shape, timed once per process: the default); returns the previous setting"
+    if how not in POINTWISE_BACKWARD: raise ValueError(f"how must be one of {POINTWISE_BACKWARD}, got {how!r}")
+    load()
+    return POINTWISE_BACKWARD[torch.ops.clfast_cpu.set_pointwise_policy(POINTWISE_BACKWARD.index(how))]
+
+def pointwise_choices() -> dict:
+    "What 'timed' chose so far: `{(rows, in_channels, out_channels, dtype, needs, threads): 'gemm' or 'conv'}` (`needs`: bits dx 1, dweight 2, dbias 4)"
+    load()
+    rows, dtypes = torch.ops.clfast_cpu.pointwise_choices()
+    return {(m, cin, cout, dt, needs, threads): 'gemm' if won else 'conv'
+            for (m, cin, cout, _, needs, threads, won), dt in zip(rows.tolist(), dtypes)}

@@ -93,18 +93,18 @@ def load(verbose:bool=False) -> SimpleNamespace:
     ops = torch.ops.clfast_cpu
     return SimpleNamespace(layer_fwd=ops.layer_fwd, layer_bwd=ops.layer_bwd, batch_stats=ops.batch_stats)
 
-# %% ../nbs/22_cpu_kernels.ipynb #ccdb7c1a
+# %% ../nbs/22_cpu_kernels.ipynb #0594e48c
 POINTWISE_BACKWARD = ('conv', 'gemm', 'timed')
 
 def set_pointwise_backward(how:str) -> str:
-    "Compute a fused layer's pointwise (1x1, stride 1) conv backward on the CPU by 'conv' (ATen), 'gemm' (two matrix products) or 'timed' (the faster per shape, timed once per process: the default); returns the previous setting"
+    "Compute a fused layer's pointwise (1x1, unpadded, one group) conv backward on the CPU by 'conv' (ATen), 'gemm' (two matrix products) or 'timed' (the faster per shape, timed once per process: the default); returns the previous setting"
     if how not in POINTWISE_BACKWARD: raise ValueError(f"how must be one of {POINTWISE_BACKWARD}, got {how!r}")
     load()
     return POINTWISE_BACKWARD[torch.ops.clfast_cpu.set_pointwise_policy(POINTWISE_BACKWARD.index(how))]
 
 def pointwise_choices() -> dict:
-    "What 'timed' chose so far: `{(rows, in_channels, out_channels, dtype, needs, threads): 'gemm' or 'conv'}` (`needs`: bits dx 1, dweight 2, dbias 4)"
+    "What 'timed' chose so far: `{(x's shape, out_channels, stride, dtype name, needs, threads): 'gemm' or 'conv'}` (`needs`: bits dx 1, dweight 2, dbias 4)"
     load()
     rows, dtypes = torch.ops.clfast_cpu.pointwise_choices()
-    return {(m, cin, cout, dt, needs, threads): 'gemm' if won else 'conv'
-            for (m, cin, cout, _, needs, threads, won), dt in zip(rows.tolist(), dtypes)}
+    return {(tuple(r[:4]), r[4], tuple(r[5:7]), dt, r[8], r[9]): 'gemm' if r[10] else 'conv'
+            for r, dt in zip(rows.tolist(), dtypes)}

@@ -228,3 +228,89 @@ def test_thread_count_independent(k, dtype):
     try: three = run()
     finally: torch.set_num_threads(1)
     for i, (a, b) in enumerate(zip(one, three)): assert torch.equal(a, b), f"result {i} depends on the thread count"
+
+@pytest.fixture
+def pointwise():
+    "Restores the pointwise conv backward's setting after the test"
+    before = cpu_kernels.set_pointwise_backward('timed')
+    yield cpu_kernels.set_pointwise_backward
+    cpu_kernels.set_pointwise_backward(before)
+
+def pointwise_case(dtype, n=3, cin=24, cout=40, h=5, w=7, weight_cl=False, bias=True):
+    """A 1x1 layer whose dy is dout exactly (no activation, given statistics mean 0, var 1, eps 0, no BN weight): so
+    its conv gradients are known in fp64 from dout alone"""
+    x = torch.randn(n, cin, h, w).to(dtype).to(memory_format=CL)
+    wt = torch.randn(cout, cin, 1, 1).to(dtype)
+    if weight_cl: wt = wt.to(memory_format=CL)
+    b = torch.randn(cout).to(dtype) if bias else None
+    dout = torch.randn(n, cout, h, w).to(dtype).to(memory_format=CL)
+    return x, wt, b, dout
+
+def pointwise_bwd(k, x, wt, b, dout, needs=(True, True, True), geom=([1, 1], [0, 0], [1, 1], 1)):
+    c = wt.shape[0]
+    with torch.no_grad():
+        out, y, params = k.layer_fwd(x, wt, b, None, None, None, torch.zeros(c), torch.ones(c), *geom, 0., 0, 0., True)
+    return k.layer_bwd(dout, x, wt, b, y, params, None, torch.empty(0, dtype=x.dtype), *geom, False, 0, 0.,
+                       list(needs) + [False] * 3)[:3]
+
+@pytest.mark.parametrize('stride', [1, 2, (3, 2)], ids=str)
+@pytest.mark.parametrize('weight_cl', [False, True], ids=['w', 'w_cl'])
+@pytest.mark.parametrize('dtype', DTYPES + [torch.float16], ids=str)
+@pytest.mark.parametrize('how', cpu_kernels.POINTWISE_BACKWARD)
+def test_pointwise_backward(k, pointwise, how, dtype, weight_cl, stride):
+    """A pointwise conv's dx, dweight, dbias, by ATen's conv, by the GEMMs or timed, equal fp64 (dx = dy W on the rows
+    the conv reads, 0 elsewhere; dW = dy^T x[:, :, ::s, ::s]); dx is channels-last (the op gives dweight the weight's
+    layout: a 1x1 weight's memory is the same in either)"""
+    sh, sw = (stride, stride) if isinstance(stride, int) else stride
+    x, wt, b, dout = pointwise_case(dtype, weight_cl=weight_cl)
+    dout = dout[:, :, ::sh, ::sw].contiguous(memory_format=CL)
+    rows = lambda t: t.double().permute(0, 2, 3, 1).reshape(-1, t.shape[1])
+    want_dx = torch.zeros(x.shape, dtype=torch.float64)
+    want_dx[:, :, ::sh, ::sw] = (rows(dout) @ wt.double().view(wt.shape[:2])).view(*dout.shape[:1], *dout.shape[2:], -1).permute(0, 3, 1, 2)
+    want = (want_dx, rows(dout).t() @ rows(x[:, :, ::sh, ::sw]), rows(dout).sum(0))
+    geom = ([sh, sw], [0, 0], [1, 1], 1)
+    pointwise('conv')
+    stock = pointwise_bwd(k, x, wt, b, dout, geom=geom)
+    pointwise(how)
+    got = pointwise_bwd(k, x, wt, b, dout, geom=geom)
+    tol = TOL[dtype][1]
+    assert got[0].stride() == stock[0].stride() == x.stride()      # dx: channels-last, as x
+    for name, g, s, w_ in zip(('dx', 'dweight', 'dbias'), got, stock, want):
+        assert g.dtype == dtype and g.shape == s.shape, f"{name}: {g.dtype} {g.shape} vs ATen's {s.dtype} {s.shape}"
+        assert_close(g.double().view(w_.shape), w_, tol, f"{how} {name}")
+
+def test_pointwise_timed_once_per_shape(k, pointwise):
+    "'timed' decides once per shape (x's shape, out channels, stride, dtype, needs, threads); convs that are not pointwise, or run under deterministic algorithms, are never timed"
+    n, cin, cout, h, w = 2, 16, 24, 3, 11     # a shape no other test uses
+    key = lambda needs=3, stride=(1, 1): ((n, cin, h, w), cout, stride, 'Float', needs, torch.get_num_threads())
+    keys = lambda: set(cpu_kernels.pointwise_choices())
+    x, wt, b, dout = pointwise_case(torch.float32, n, cin, cout, h, w, bias=False)
+    before = keys()
+    pointwise_bwd(k, x, wt, None, dout)
+    assert keys() - before == {key()}, keys() - before
+    choice = cpu_kernels.pointwise_choices()[key()]
+    assert choice in ('gemm', 'conv')
+    for _ in range(3): pointwise_bwd(k, x, wt, None, dout)
+    pointwise_bwd(k, x, wt, None, dout, needs=(True, False, False))       # other results wanted: another shape
+    pointwise_bwd(k, x, wt, None, dout[:, :, ::2, ::2].contiguous(memory_format=CL), geom=([2, 2], [0, 0], [1, 1], 1))
+    assert keys() - before == {key(), key(1), key(stride=(2, 2))}
+    assert cpu_kernels.pointwise_choices()[key()] == choice  # not timed again
+    # not pointwise: a 3x3 kernel, padding, two groups, an NCHW input
+    seen = keys()
+    w3 = torch.randn(cout, cin, 3, 3)
+    pointwise_bwd(k, x, w3, None, torch.randn(n, cout, h - 2, w - 2).to(memory_format=CL))
+    pointwise_bwd(k, x, wt, None, torch.randn(n, cout, h + 2, w + 2).to(memory_format=CL), geom=([1, 1], [1, 1], [1, 1], 1))
+    pointwise_bwd(k, x, wt[:, :cin // 2].contiguous(), None, dout, geom=([1, 1], [0, 0], [1, 1], 2))
+    pointwise_bwd(k, x.contiguous(), wt, None, dout)
+    assert keys() == seen
+    # deterministic algorithms: the conv, untimed
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try: pointwise_bwd(k, x.double(), wt.double(), None, dout.double())
+    finally: torch.use_deterministic_algorithms(det)
+    assert keys() == seen
+
+def test_pointwise_setting_errors(pointwise):
+    with pytest.raises(ValueError, match="'conv', 'gemm', 'timed'"): pointwise('fast')
+    assert pointwise('gemm') == 'timed' and pointwise('conv') == 'gemm'
+    with pytest.raises(ValueError, match='0 \\(conv\\), 1 \\(gemm\\) or 2'): torch.ops.clfast_cpu.set_pointwise_policy(5)

@@ -110,41 +110,53 @@ std::tuple<Tensor, Tensor, Tensor> layer_fwd(
   return {out, keep_y ? y : at::empty({0}, y.options()), params};
 }
 
-// A pointwise conv (1x1, stride 1, no padding, one group) over channels-last tensors is a matrix product over their
-// rows: dx = dy W, dW = dy^T x. Where the maps are small (ResNet-50's deep layers at 160 px) two GEMMs beat ATen's
-// channels-last conv backward, by 1.2-1.46x on an AVX2 EPYC; on large maps the conv wins. Where the crossover lies
-// depends on the CPU, so each shape's backward is timed both ways the first time it is met and the faster way kept
-// (as cudnn.benchmark does). Not with torch.use_deterministic_algorithms(True): which way runs must not depend on a
-// timing there, so the conv always runs.
+// A pointwise conv (1x1, no padding, one group) over channels-last tensors is a matrix product over their rows:
+// dx = dy W, dW = dy^T x (with a stride, x's rows are those of x[:, :, ::s, ::s] and dx is zero elsewhere). Where the
+// maps are small (ResNet-50's deep layers and its strided shortcuts at 160 px) the GEMMs beat ATen's channels-last
+// conv backward, by 1.2-1.46x on an AVX2 EPYC; on large maps the conv wins. Where the crossover lies depends on the
+// CPU, so each shape's backward is timed both ways the first time it is met and the faster way kept (as
+// cudnn.benchmark does). Not with torch.use_deterministic_algorithms(True): which way runs must not depend on a timing
+// there, so the conv always runs.
 enum class Pointwise : int64_t { conv = 0, gemm = 1, timed = 2 };
 std::atomic<int64_t> pointwise_policy{int64_t(Pointwise::timed)};
-// (rows, in channels, out channels, dtype, needs, threads) -> whether the GEMMs won
-using PointwiseKey = std::array<int64_t, 6>;
+// (N, C_in, H, W, C_out, stride h, stride w, dtype, needs, threads) -> whether the GEMMs won
+using PointwiseKey = std::array<int64_t, 10>;
 std::mutex pointwise_mutex;
 std::map<PointwiseKey, bool> pointwise_won;
 
 bool is_pointwise(const Tensor& x, const Tensor& w, const Tensor& dy, const Geometry& g) {
-  auto ones = [](at::IntArrayRef v, int64_t k) { return std::all_of(v.begin(), v.end(), [k](int64_t i) { return i == k; }); };
-  return x.dim() == 4 && w.size(2) == 1 && w.size(3) == 1 && g.groups == 1 && ones(g.stride, 1) &&
-         ones(g.padding, 0) && ones(g.dilation, 1) && clfast_cpu::is_rows(x) && clfast_cpu::is_rows(dy) &&
+  auto zeros = [](at::IntArrayRef v) { return std::all_of(v.begin(), v.end(), [](int64_t i) { return i == 0; }); };
+  return x.dim() == 4 && w.size(2) == 1 && w.size(3) == 1 && g.groups == 1 && zeros(g.padding) &&
+         clfast_cpu::is_rows(x) && clfast_cpu::is_rows(dy) &&
          w.stride(0) == w.size(1) && w.stride(1) == 1;  // the weight's memory is a row-major [out, in] matrix
 }
 
 Tensor rows(const Tensor& t) { return t.as_strided({t.numel() / t.size(1), t.size(1)}, {t.size(1), 1}); }
 
+// x[:, :, ::sh, ::sw] (what a strided pointwise conv reads), channels-last: a view where the stride is 1
+Tensor subsample(const Tensor& x, at::IntArrayRef stride) {
+  if (stride[0] == 1 && stride[1] == 1) return x;
+  return x.slice(2, 0, x.size(2), stride[0]).slice(3, 0, x.size(3), stride[1]).contiguous(at::MemoryFormat::ChannelsLast);
+}
+
 std::tuple<Tensor, Tensor, Tensor> pointwise_gemm_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
-                                                           bool nx, bool nw, bool nb) {
+                                                           at::IntArrayRef stride, bool nx, bool nw, bool nb) {
   const Tensor dyr = rows(dy), w2 = w.as_strided({w.size(0), w.size(1)}, {w.size(1), 1});
+  const bool strided = stride[0] != 1 || stride[1] != 1;
   Tensor dx, dw, db;
-  if (nx) {
+  if (nx && !strided) {
     dx = at::empty_like(x);
     Tensor dx_rows = rows(dx);
     at::mm_out(dx_rows, dyr, w2);
+  } else if (nx) {
+    dx = at::zeros_like(x);
+    const Tensor hit = at::mm(dyr, w2).view({dy.size(0), dy.size(2), dy.size(3), x.size(1)}).permute({0, 3, 1, 2});
+    dx.slice(2, 0, x.size(2), stride[0]).slice(3, 0, x.size(3), stride[1]).copy_(hit);
   }
   if (nw) {
     dw = at::empty_like(w);
     Tensor dw2 = dw.as_strided({w.size(0), w.size(1)}, {w.size(1), 1});
-    at::mm_out(dw2, dyr.t(), rows(x));
+    at::mm_out(dw2, dyr.t(), rows(subsample(x, stride)));
   }
   if (nb) db = dyr.sum(0);
   return {dx, dw, db};
@@ -160,11 +172,12 @@ std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor&
   };
   const auto policy = Pointwise(pointwise_policy.load());
   if (policy == Pointwise::conv || !is_pointwise(x, weight, dy, g)) return by_conv();
-  auto by_gemm = [&] { return pointwise_gemm_backward(dy, x, weight, nx, nw, nb); };
+  auto by_gemm = [&] { return pointwise_gemm_backward(dy, x, weight, g.stride, nx, nw, nb); };
   if (policy == Pointwise::gemm) return by_gemm();
   if (at::globalContext().deterministicAlgorithms()) return by_conv();
-  const PointwiseKey key{x.numel() / x.size(1), x.size(1), weight.size(0), int64_t(x.scalar_type()),
-                         int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2, int64_t(at::get_num_threads())};
+  const PointwiseKey key{x.size(0), x.size(1), x.size(2), x.size(3), weight.size(0), g.stride[0], g.stride[1],
+                         int64_t(x.scalar_type()), int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2,
+                         int64_t(at::get_num_threads())};
   {
     std::lock_guard<std::mutex> lock(pointwise_mutex);
     const auto it = pointwise_won.find(key);
@@ -175,11 +188,11 @@ std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor&
   double best_conv = 1e300, best_gemm = 1e300;
   std::tuple<Tensor, Tensor, Tensor> result;
   for (int i = 0; i < 3; ++i) {
-    auto t0 = clock::now();
+    const auto t0 = clock::now();
     result = by_conv();
-    auto t1 = clock::now();
+    const auto t1 = clock::now();
     result = by_gemm();
-    auto t2 = clock::now();
+    const auto t2 = clock::now();
     if (i == 0) continue;
     best_conv = std::min(best_conv, std::chrono::duration<double>(t1 - t0).count());
     best_gemm = std::min(best_gemm, std::chrono::duration<double>(t2 - t1).count());
@@ -197,18 +210,18 @@ int64_t set_pointwise_policy(int64_t policy) {
   return pointwise_policy.exchange(policy);
 }
 
-// The timed choices so far: a row (rows, in channels, out channels, dtype code, needs, threads, gemm won) and the
-// dtype's name per shape
+// The timed choices so far: per shape a row (PointwiseKey's values, then 1 if the GEMMs won) and the dtype's name
 std::tuple<Tensor, std::vector<std::string>> pointwise_choices() {
+  constexpr int64_t n = std::tuple_size_v<PointwiseKey> + 1;
   std::lock_guard<std::mutex> lock(pointwise_mutex);
-  Tensor t = at::empty({int64_t(pointwise_won.size()), 7}, at::kLong);
+  Tensor t = at::empty({int64_t(pointwise_won.size()), n}, at::kLong);
   std::vector<std::string> dtypes;
   int64_t* p = t.data_ptr<int64_t>();
   for (const auto& [k, won] : pointwise_won) {
     std::copy(k.begin(), k.end(), p);
-    p[6] = won;
-    p += 7;
-    dtypes.emplace_back(c10::toString(at::ScalarType(k[3])));
+    p[n - 1] = won;
+    p += n;
+    dtypes.emplace_back(c10::toString(at::ScalarType(k[7])));
   }
   return {t, dtypes};
 }

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch, timm, torchvision
 from torch import nn
 from clfast.fuse import fuse_conv_bn, fold_conv_bn, fusion_report
-from clfast.cpu_kernels import set_pointwise_backward, pointwise_choices
+from clfast.cpu_kernels import set_gemm_backward, gemm_backward_choices
 
 MiB = 2**20
 
@@ -68,12 +68,12 @@ def train_step_fn(model, x, dev='cpu', amp=None):
         if dev == 'cuda': torch.cuda.synchronize()
     return f
 
-def pointwise_by(step, how:str):
-    "`step` with the CPU kernels' pointwise conv backward computed by `how` ('conv', 'gemm', 'timed')"
+def gemm_backward_by(step, how:str):
+    "`step` with the CPU kernels' conv backward computed by `how` ('conv', 'gemm', 'timed')"
     def f():
-        before = set_pointwise_backward(how)
+        before = set_gemm_backward(how)
         try: step()
-        finally: set_pointwise_backward(before)
+        finally: set_gemm_backward(before)
     return f
 
 def section_train(args):
@@ -95,8 +95,8 @@ def section_train(args):
             print(f"saved activations {k:>8}: {act/MiB:8.1f} MiB ({act/base:6.1%} of stock_cl)")
         for amp in amps:
             fns = {k: train_step_fn(m, x, amp=amp) for k, m in models.items()}
-            # 'speed' again with every pointwise conv's backward left to ATen: what the GEMMs chosen by timing bring
-            fns['speed_conv'] = pointwise_by(fns['speed'], 'conv')
+            # 'speed' again with every conv's backward left to ATen: what the GEMM way, where timing chose it, brings
+            fns['speed_conv'] = gemm_backward_by(fns['speed'], 'conv')
             raw = interleaved(fns, args.rounds, warmup=2)
             times = medians(raw)
             print(f"  {'bf16 autocast' if amp else 'fp32'}:")
@@ -104,8 +104,8 @@ def section_train(args):
                 print(f"train step {k:>8}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}")
             for k in ('speed', 'memory', 'speed_conv'): print("  " + paired_ratios(raw, 'stock_cl', k))
             print("  " + paired_ratios(raw, 'speed_conv', 'speed'))
-            gemm = sum(v == 'gemm' for v in pointwise_choices().values())
-            print(f"  pointwise conv backward shapes timed: {len(pointwise_choices())}, GEMMs won {gemm}")
+            gemm = sum(v == 'gemm' for v in gemm_backward_choices().values())
+            print(f"  conv backward shapes timed: {len(gemm_backward_choices())}, the GEMM way won {gemm}")
 
 def section_infer(args):
     "fold_conv_bn + channels-last (oneDNN) against stock and torch.compile (inductor), fp32 and bf16 autocast"

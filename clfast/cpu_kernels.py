@@ -11,8 +11,8 @@ import torch
 import clfast
 
 # %% auto #0
-__all__ = ['CSRC', 'SOURCES', 'POINTWISE_BACKWARD', 'cpu_isa', 'missing_toolchain', 'build_flags', 'ext_name', 'library_path',
-           'is_built', 'load', 'set_pointwise_backward', 'pointwise_choices']
+__all__ = ['CSRC', 'SOURCES', 'GEMM_BACKWARD', 'cpu_isa', 'missing_toolchain', 'build_flags', 'ext_name', 'library_path',
+           'is_built', 'load', 'set_gemm_backward', 'gemm_backward_choices']
 
 # %% ../nbs/22_cpu_kernels.ipynb #82c3f340
 CSRC = Path(clfast.__file__).parent/'csrc'
@@ -93,18 +93,18 @@ def load(verbose:bool=False) -> SimpleNamespace:
     ops = torch.ops.clfast_cpu
     return SimpleNamespace(layer_fwd=ops.layer_fwd, layer_bwd=ops.layer_bwd, batch_stats=ops.batch_stats)
 
-# %% ../nbs/22_cpu_kernels.ipynb #0594e48c
-POINTWISE_BACKWARD = ('conv', 'gemm', 'timed')
+# %% ../nbs/22_cpu_kernels.ipynb #1906ddb5
+GEMM_BACKWARD = ('conv', 'gemm', 'timed')
 
-def set_pointwise_backward(how:str) -> str:
-    "Compute a fused layer's pointwise (1x1, unpadded, one group) conv backward on the CPU by 'conv' (ATen), 'gemm' (two matrix products) or 'timed' (the faster per shape, timed once per process: the default); returns the previous setting"
-    if how not in POINTWISE_BACKWARD: raise ValueError(f"how must be one of {POINTWISE_BACKWARD}, got {how!r}")
+def set_gemm_backward(how:str) -> str:
+    "Compute a fused layer's conv backward on the CPU by 'conv' (ATen), 'gemm' (matrix products, where they fit) or 'timed' (the faster per shape, timed once per process: the default); returns the previous setting"
+    if how not in GEMM_BACKWARD: raise ValueError(f"how must be one of {GEMM_BACKWARD}, got {how!r}")
     load()
-    return POINTWISE_BACKWARD[torch.ops.clfast_cpu.set_pointwise_policy(POINTWISE_BACKWARD.index(how))]
+    return GEMM_BACKWARD[torch.ops.clfast_cpu.set_gemm_backward(GEMM_BACKWARD.index(how))]
 
-def pointwise_choices() -> dict:
-    "What 'timed' chose so far: `{(x's shape, out_channels, stride, dtype name, needs, threads): 'gemm' or 'conv'}` (`needs`: bits dx 1, dweight 2, dbias 4)"
+def gemm_backward_choices() -> dict:
+    "What 'timed' chose so far: `{(x's shape, (out_channels, kh, kw), stride, padding, dilation, dtype name, needs, threads): 'gemm' or 'conv'}` (`needs`: bits dx 1, dweight 2, dbias 4)"
     load()
-    rows, dtypes = torch.ops.clfast_cpu.pointwise_choices()
-    return {(tuple(r[:4]), r[4], tuple(r[5:7]), dt, r[8], r[9]): 'gemm' if r[10] else 'conv'
-            for r, dt in zip(rows.tolist(), dtypes)}
+    rows, dtypes = torch.ops.clfast_cpu.gemm_backward_choices()
+    return {(tuple(r[:4]), tuple(r[4:7]), tuple(r[7:9]), tuple(r[9:11]), tuple(r[11:13]), dt, r[14], r[15]):
+            'gemm' if r[16] else 'conv' for r, dt in zip(rows.tolist(), dtypes)}

@@ -230,87 +230,97 @@ def test_thread_count_independent(k, dtype):
     for i, (a, b) in enumerate(zip(one, three)): assert torch.equal(a, b), f"result {i} depends on the thread count"
 
 @pytest.fixture
-def pointwise():
-    "Restores the pointwise conv backward's setting after the test"
-    before = cpu_kernels.set_pointwise_backward('timed')
-    yield cpu_kernels.set_pointwise_backward
-    cpu_kernels.set_pointwise_backward(before)
+def gemm_way():
+    "Restores the conv backward's setting after the test"
+    before = cpu_kernels.set_gemm_backward('timed')
+    yield cpu_kernels.set_gemm_backward
+    cpu_kernels.set_gemm_backward(before)
 
-def pointwise_case(dtype, n=3, cin=24, cout=40, h=5, w=7, weight_cl=False, bias=True):
-    """A 1x1 layer whose dy is dout exactly (no activation, given statistics mean 0, var 1, eps 0, no BN weight): so
-    its conv gradients are known in fp64 from dout alone"""
+def conv_case(dtype, n=3, cin=24, cout=40, h=9, w=7, kernel=(1, 1), weight_cl=False, bias=True):
+    "x, weight, bias, and a dout of the conv's output shape for `geom` (made by `gemm_bwd`)"
     x = torch.randn(n, cin, h, w).to(dtype).to(memory_format=CL)
-    wt = torch.randn(cout, cin, 1, 1).to(dtype)
+    wt = torch.randn(cout, cin, *kernel).to(dtype)
     if weight_cl: wt = wt.to(memory_format=CL)
-    b = torch.randn(cout).to(dtype) if bias else None
-    dout = torch.randn(n, cout, h, w).to(dtype).to(memory_format=CL)
-    return x, wt, b, dout
+    return x, wt, torch.randn(cout).to(dtype) if bias else None
 
-def pointwise_bwd(k, x, wt, b, dout, needs=(True, True, True), geom=([1, 1], [0, 0], [1, 1], 1)):
+def gemm_bwd(k, x, wt, b, geom, needs=(True, True, True), dout=None):
+    """`layer_bwd`'s conv gradients for a layer whose dy is dout exactly (no activation, given statistics mean 0, var
+    1, eps 0, no BN weight): so they are known in fp64 from dout alone. Returns (dx, dweight, dbias), dout"""
     c = wt.shape[0]
     with torch.no_grad():
         out, y, params = k.layer_fwd(x, wt, b, None, None, None, torch.zeros(c), torch.ones(c), *geom, 0., 0, 0., True)
+    if dout is None: dout = torch.randn(out.shape).to(x.dtype).to(memory_format=CL)
     return k.layer_bwd(dout, x, wt, b, y, params, None, torch.empty(0, dtype=x.dtype), *geom, False, 0, 0.,
-                       list(needs) + [False] * 3)[:3]
+                       list(needs) + [False] * 3)[:3], dout
 
-@pytest.mark.parametrize('stride', [1, 2, (3, 2)], ids=str)
+# (kernel, stride, padding, dilation): 1x1 at stride 1 (dx and dW straight GEMMs), strided (dW over x[:, :, ::s, ::s],
+# dx scattered), padded 1x1 and every kxk (dW over im2col columns, dx by ATen), a dilation, a non-square kernel
+GEMM_CASES = [((1, 1), (1, 1), (0, 0), (1, 1)), ((1, 1), (2, 2), (0, 0), (1, 1)), ((1, 1), (3, 2), (0, 0), (1, 1)),
+              ((1, 1), (1, 1), (1, 0), (1, 1)), ((3, 3), (1, 1), (1, 1), (1, 1)), ((3, 3), (2, 2), (1, 1), (1, 1)),
+              ((3, 3), (1, 1), (2, 2), (2, 2)), ((5, 3), (2, 1), (2, 1), (1, 1)), ((3, 3), (1, 1), (0, 0), (1, 1))]
+GEMM_IDS = ['1x1', '1x1s2', '1x1s32', '1x1p1', '3x3', '3x3s2', '3x3d2', '5x3s21', '3x3p0']
+
+@pytest.mark.parametrize('case', GEMM_CASES, ids=GEMM_IDS)
 @pytest.mark.parametrize('weight_cl', [False, True], ids=['w', 'w_cl'])
 @pytest.mark.parametrize('dtype', DTYPES + [torch.float16], ids=str)
-@pytest.mark.parametrize('how', cpu_kernels.POINTWISE_BACKWARD)
-def test_pointwise_backward(k, pointwise, how, dtype, weight_cl, stride):
-    """A pointwise conv's dx, dweight, dbias, by ATen's conv, by the GEMMs or timed, equal fp64 (dx = dy W on the rows
-    the conv reads, 0 elsewhere; dW = dy^T x[:, :, ::s, ::s]); dx is channels-last (the op gives dweight the weight's
-    layout: a 1x1 weight's memory is the same in either)"""
-    sh, sw = (stride, stride) if isinstance(stride, int) else stride
-    x, wt, b, dout = pointwise_case(dtype, weight_cl=weight_cl)
-    dout = dout[:, :, ::sh, ::sw].contiguous(memory_format=CL)
-    rows = lambda t: t.double().permute(0, 2, 3, 1).reshape(-1, t.shape[1])
-    want_dx = torch.zeros(x.shape, dtype=torch.float64)
-    want_dx[:, :, ::sh, ::sw] = (rows(dout) @ wt.double().view(wt.shape[:2])).view(*dout.shape[:1], *dout.shape[2:], -1).permute(0, 3, 1, 2)
-    want = (want_dx, rows(dout).t() @ rows(x[:, :, ::sh, ::sw]), rows(dout).sum(0))
-    geom = ([sh, sw], [0, 0], [1, 1], 1)
-    pointwise('conv')
-    stock = pointwise_bwd(k, x, wt, b, dout, geom=geom)
-    pointwise(how)
-    got = pointwise_bwd(k, x, wt, b, dout, geom=geom)
-    tol = TOL[dtype][1]
-    assert got[0].stride() == stock[0].stride() == x.stride()      # dx: channels-last, as x
-    for name, g, s, w_ in zip(('dx', 'dweight', 'dbias'), got, stock, want):
-        assert g.dtype == dtype and g.shape == s.shape, f"{name}: {g.dtype} {g.shape} vs ATen's {s.dtype} {s.shape}"
-        assert_close(g.double().view(w_.shape), w_, tol, f"{how} {name}")
+@pytest.mark.parametrize('how', cpu_kernels.GEMM_BACKWARD)
+def test_gemm_backward(k, gemm_way, how, dtype, weight_cl, case):
+    "A conv's dx, dweight, dbias, by ATen, by the GEMM way or timed, equal fp64 ATen's on the same dout; dx is channels-last as x"
+    kernel, stride, padding, dilation = case
+    geom = (list(stride), list(padding), list(dilation), 1)
+    x, wt, b = conv_case(dtype, kernel=kernel, weight_cl=weight_cl)
+    gemm_way(how)
+    got, dout = gemm_bwd(k, x, wt, b, geom)
+    want = torch.ops.aten.convolution_backward(dout.double(), x.double(), wt.double(), [wt.shape[0]], *geom[:3], False,
+                                               [0, 0], 1, [True, True, True])
+    assert got[0].stride() == x.stride()
+    for name, g, w_ in zip(('dx', 'dweight', 'dbias'), got, want):
+        assert g.dtype == dtype and g.shape == w_.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
+        assert_close(g, w_, TOL[dtype][1], f"{how} {name}")
 
-def test_pointwise_timed_once_per_shape(k, pointwise):
-    "'timed' decides once per shape (x's shape, out channels, stride, dtype, needs, threads); convs that are not pointwise, or run under deterministic algorithms, are never timed"
+def test_gemm_backward_timed_once_per_shape(k, gemm_way):
+    "'timed' decides once per shape (x, kernel, geometry, dtype, needs, threads); convs the GEMM way does not fit, or run under deterministic algorithms, are never timed"
     n, cin, cout, h, w = 2, 16, 24, 3, 11     # a shape no other test uses
-    key = lambda needs=3, stride=(1, 1): ((n, cin, h, w), cout, stride, 'Float', needs, torch.get_num_threads())
-    keys = lambda: set(cpu_kernels.pointwise_choices())
-    x, wt, b, dout = pointwise_case(torch.float32, n, cin, cout, h, w, bias=False)
+    one = ([1, 1], [0, 0], [1, 1], 1)
+    key = lambda needs=3, kernel=(1, 1), stride=(1, 1), pad=(0, 0): (
+        (n, cin, h, w), (cout, *kernel), stride, pad, (1, 1), 'Float', needs, torch.get_num_threads())
+    keys = lambda: set(cpu_kernels.gemm_backward_choices())
+    x, wt, b = conv_case(torch.float32, n, cin, cout, h, w, bias=False)
     before = keys()
-    pointwise_bwd(k, x, wt, None, dout)
+    _, dout = gemm_bwd(k, x, wt, None, one)
     assert keys() - before == {key()}, keys() - before
-    choice = cpu_kernels.pointwise_choices()[key()]
+    choice = cpu_kernels.gemm_backward_choices()[key()]
     assert choice in ('gemm', 'conv')
-    for _ in range(3): pointwise_bwd(k, x, wt, None, dout)
-    pointwise_bwd(k, x, wt, None, dout, needs=(True, False, False))       # other results wanted: another shape
-    pointwise_bwd(k, x, wt, None, dout[:, :, ::2, ::2].contiguous(memory_format=CL), geom=([2, 2], [0, 0], [1, 1], 1))
-    assert keys() - before == {key(), key(1), key(stride=(2, 2))}
-    assert cpu_kernels.pointwise_choices()[key()] == choice  # not timed again
-    # not pointwise: a 3x3 kernel, padding, two groups, an NCHW input
-    seen = keys()
+    for _ in range(3): gemm_bwd(k, x, wt, None, one, dout=dout)
+    gemm_bwd(k, x, wt, None, one, needs=(True, False, False), dout=dout)       # other results wanted: another shape
+    gemm_bwd(k, x, wt, None, ([2, 2], [0, 0], [1, 1], 1))
     w3 = torch.randn(cout, cin, 3, 3)
-    pointwise_bwd(k, x, w3, None, torch.randn(n, cout, h - 2, w - 2).to(memory_format=CL))
-    pointwise_bwd(k, x, wt, None, torch.randn(n, cout, h + 2, w + 2).to(memory_format=CL), geom=([1, 1], [1, 1], [1, 1], 1))
-    pointwise_bwd(k, x, wt[:, :cin // 2].contiguous(), None, dout, geom=([1, 1], [0, 0], [1, 1], 2))
-    pointwise_bwd(k, x.contiguous(), wt, None, dout)
+    gemm_bwd(k, x, w3, None, ([1, 1], [1, 1], [1, 1], 1))
+    assert keys() - before == {key(), key(1), key(stride=(2, 2)), key(kernel=(3, 3), pad=(1, 1))}
+    assert cpu_kernels.gemm_backward_choices()[key()] == choice  # not timed again
+    # does not fit: two groups, an NCHW input, a kxk conv asked for dx alone (nothing for GEMMs to do)
+    seen = keys()
+    gemm_bwd(k, x, wt[:, :cin // 2].contiguous(), None, ([1, 1], [0, 0], [1, 1], 2))
+    gemm_bwd(k, x.contiguous(), wt, None, one)
+    gemm_bwd(k, x, w3, None, ([1, 1], [1, 1], [1, 1], 1), needs=(True, False, False))
     assert keys() == seen
-    # deterministic algorithms: the conv, untimed
+    # deterministic algorithms: ATen, untimed
     det = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
-    try: pointwise_bwd(k, x.double(), wt.double(), None, dout.double())
+    try: gemm_bwd(k, x.double(), wt.double(), None, one)
     finally: torch.use_deterministic_algorithms(det)
     assert keys() == seen
 
-def test_pointwise_setting_errors(pointwise):
-    with pytest.raises(ValueError, match="'conv', 'gemm', 'timed'"): pointwise('fast')
-    assert pointwise('gemm') == 'timed' and pointwise('conv') == 'gemm'
-    with pytest.raises(ValueError, match='0 \\(conv\\), 1 \\(gemm\\) or 2'): torch.ops.clfast_cpu.set_pointwise_policy(5)
+def test_gemm_backward_columns_capped(k, gemm_way):
+    "cols(x) over 64 MiB is never built: such a conv runs ATen's way even when the GEMM way is forced"
+    x, wt, b = conv_case(torch.float32, n=16, cin=64, cout=8, h=48, w=48, kernel=(3, 3), bias=False)  # 36864 x 576 floats: 81 MiB
+    gemm_way('gemm')
+    got, dout = gemm_bwd(k, x, wt, None, ([1, 1], [1, 1], [1, 1], 1), needs=(False, True, False))
+    gemm_way('conv')
+    want, _ = gemm_bwd(k, x, wt, None, ([1, 1], [1, 1], [1, 1], 1), needs=(False, True, False), dout=dout)
+    assert torch.equal(got[1], want[1])
+
+def test_gemm_backward_setting_errors(gemm_way):
+    with pytest.raises(ValueError, match="'conv', 'gemm', 'timed'"): gemm_way('fast')
+    assert gemm_way('gemm') == 'timed' and gemm_way('conv') == 'gemm'
+    with pytest.raises(ValueError, match='0 \\(conv\\), 1 \\(gemm\\) or 2'): torch.ops.clfast_cpu.set_gemm_backward(5)

@@ -110,118 +110,165 @@ std::tuple<Tensor, Tensor, Tensor> layer_fwd(
   return {out, keep_y ? y : at::empty({0}, y.options()), params};
 }
 
-// A pointwise conv (1x1, no padding, one group) over channels-last tensors is a matrix product over their rows:
-// dx = dy W, dW = dy^T x (with a stride, x's rows are those of x[:, :, ::s, ::s] and dx is zero elsewhere). Where the
-// maps are small (ResNet-50's deep layers and its strided shortcuts at 160 px) the GEMMs beat ATen's channels-last
-// conv backward, by 1.2-1.46x on an AVX2 EPYC; on large maps the conv wins. Where the crossover lies depends on the
-// CPU, so each shape's backward is timed both ways the first time it is met and the faster way kept (as
-// cudnn.benchmark does). Not with torch.use_deterministic_algorithms(True): which way runs must not depend on a timing
-// there, so the conv always runs.
-enum class Pointwise : int64_t { conv = 0, gemm = 1, timed = 2 };
-std::atomic<int64_t> pointwise_policy{int64_t(Pointwise::timed)};
-// (N, C_in, H, W, C_out, stride h, stride w, dtype, needs, threads) -> whether the GEMMs won
-using PointwiseKey = std::array<int64_t, 10>;
-std::mutex pointwise_mutex;
-std::map<PointwiseKey, bool> pointwise_won;
-
-bool is_pointwise(const Tensor& x, const Tensor& w, const Tensor& dy, const Geometry& g) {
-  auto zeros = [](at::IntArrayRef v) { return std::all_of(v.begin(), v.end(), [](int64_t i) { return i == 0; }); };
-  return x.dim() == 4 && w.size(2) == 1 && w.size(3) == 1 && g.groups == 1 && zeros(g.padding) &&
-         clfast_cpu::is_rows(x) && clfast_cpu::is_rows(dy) &&
-         w.stride(0) == w.size(1) && w.stride(1) == 1;  // the weight's memory is a row-major [out, in] matrix
-}
+// A conv's weight gradient is a matrix product: dW = dy^T cols(x), where cols(x) holds, for each output position, the
+// input values each tap of the kernel reads (im2col; for a 1x1 conv at stride 1 it is x's own rows, no copy). Over
+// channels-last tensors both are row-major matrices and dW comes out in a channels-last weight's memory order. For a 1x1
+// conv without padding dx is a matrix product too: dx = dy W (with a stride, on the rows the conv reads, 0 elsewhere).
+// Where the maps are small this "GEMM way" beats ATen's channels-last conv backward, whose weight gradient is slow there
+// (ResNet-50 at 160 px on an AVX2 EPYC: 1.2-1.46x on the deep and strided 1x1 convs, 1.1-1.6x on the deep 3x3 weight
+// gradients); on large maps ATen wins. Where the crossover lies depends on the CPU, so each shape is timed both ways the
+// first time it is met and the faster way kept (as cudnn.benchmark does). Not with
+// torch.use_deterministic_algorithms(True): there, which way runs must not depend on a timing, so ATen always runs.
+enum class GemmWay : int64_t { never = 0, always = 1, timed = 2 };
+std::atomic<int64_t> gemm_way{int64_t(GemmWay::timed)};
+// x's N, C, H, W; the weight's out channels, kernel height, width; stride, padding, dilation (h, w each); dtype; needs
+// (bits dx 1, dweight 2, dbias 4); threads  ->  whether the GEMM way won
+using ShapeKey = std::array<int64_t, 16>;
+std::mutex gemm_mutex;
+std::map<ShapeKey, bool> gemm_won;
+// cols(x) larger than this is not built: a temporary that big costs more in page faults than ATen's way
+constexpr int64_t kMaxColumnsBytes = int64_t(64) << 20;
 
 Tensor rows(const Tensor& t) { return t.as_strided({t.numel() / t.size(1), t.size(1)}, {t.size(1), 1}); }
 
-// x[:, :, ::sh, ::sw] (what a strided pointwise conv reads), channels-last: a view where the stride is 1
-Tensor subsample(const Tensor& x, at::IntArrayRef stride) {
-  if (stride[0] == 1 && stride[1] == 1) return x;
-  return x.slice(2, 0, x.size(2), stride[0]).slice(3, 0, x.size(3), stride[1]).contiguous(at::MemoryFormat::ChannelsLast);
+bool is_1x1_unpadded(const Tensor& w, const Geometry& g) {
+  return w.size(2) == 1 && w.size(3) == 1 && g.padding[0] == 0 && g.padding[1] == 0;
 }
 
-std::tuple<Tensor, Tensor, Tensor> pointwise_gemm_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
-                                                           at::IntArrayRef stride, bool nx, bool nw, bool nb) {
-  const Tensor dyr = rows(dy), w2 = w.as_strided({w.size(0), w.size(1)}, {w.size(1), 1});
-  const bool strided = stride[0] != 1 || stride[1] != 1;
+bool gemm_way_fits(const Tensor& x, const Tensor& w, const Tensor& dy, const Geometry& g, bool nw) {
+  if (!(x.dim() == 4 && g.groups == 1 && clfast_cpu::is_rows(x) && clfast_cpu::is_rows(dy))) return false;
+  const bool plain = is_1x1_unpadded(w, g) && g.stride[0] == 1 && g.stride[1] == 1;
+  if (plain) return true;
+  if (!nw && !is_1x1_unpadded(w, g)) return false;  // nothing for the GEMMs to do: dx is ATen's
+  return dy.numel() / dy.size(1) * w.numel() / w.size(0) * x.element_size() <= kMaxColumnsBytes;
+}
+
+// cols(x): a row-major [N*Ho*Wo, kh*kw*C] matrix, row (n, ho, wo) holding tap after tap the C values that output reads
+Tensor columns(const Tensor& x, const Tensor& w, const Tensor& dy, const Geometry& g) {
+  const int64_t n = x.size(0), c = x.size(1), h = x.size(2), wd = x.size(3), kh = w.size(2), kw = w.size(3);
+  const int64_t ho = dy.size(2), wo = dy.size(3);
+  if (kh == 1 && kw == 1 && g.padding[0] == 0 && g.padding[1] == 0 && g.stride[0] == 1 && g.stride[1] == 1) return rows(x);
+  const Tensor xn = x.permute({0, 2, 3, 1});  // channels-last memory seen as NHWC
+  Tensor cols = at::empty({n, ho, wo, kh, kw, c}, x.options());
+  // the output positions [lo, hi) whose tap at offset `off` reads inside an input of `size` (the others read padding)
+  auto inside = [](int64_t off, int64_t stride, int64_t size, int64_t out) {
+    const int64_t lo = off >= 0 ? 0 : (-off + stride - 1) / stride;
+    const int64_t hi = size - 1 - off < 0 ? 0 : std::min(out, (size - 1 - off) / stride + 1);
+    return std::pair<int64_t, int64_t>{lo, std::max(lo, hi)};
+  };
+  for (int64_t i = 0; i < kh; ++i) {
+    const int64_t oh = i * g.dilation[0] - g.padding[0];
+    const auto [h0, h1] = inside(oh, g.stride[0], h, ho);
+    for (int64_t j = 0; j < kw; ++j) {
+      const int64_t ow = j * g.dilation[1] - g.padding[1];
+      const auto [w0, w1] = inside(ow, g.stride[1], wd, wo);
+      Tensor tap = cols.select(3, i).select(3, j);  // [n, ho, wo, c]
+      if (h0 > 0) tap.narrow(1, 0, h0).zero_();
+      if (h1 < ho) tap.narrow(1, h1, ho - h1).zero_();
+      if (h1 > h0) {
+        Tensor mid = tap.narrow(1, h0, h1 - h0);
+        if (w0 > 0) mid.narrow(2, 0, w0).zero_();
+        if (w1 < wo) mid.narrow(2, w1, wo - w1).zero_();
+        if (w1 > w0)
+          mid.narrow(2, w0, w1 - w0).copy_(xn.slice(1, h0 * g.stride[0] + oh, (h1 - 1) * g.stride[0] + oh + 1, g.stride[0])
+                                             .slice(2, w0 * g.stride[1] + ow, (w1 - 1) * g.stride[1] + ow + 1, g.stride[1]));
+      }
+    }
+  }
+  return cols.view({n * ho * wo, kh * kw * c});
+}
+
+std::tuple<Tensor, Tensor, Tensor> gemm_way_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
+                                                     const OptTensor& bias, const Geometry& g, bool nx, bool nw,
+                                                     bool nb) {
+  const Tensor dyr = rows(dy);
   Tensor dx, dw, db;
-  if (nx && !strided) {
-    dx = at::empty_like(x);
-    Tensor dx_rows = rows(dx);
-    at::mm_out(dx_rows, dyr, w2);
+  if (nx && is_1x1_unpadded(w, g)) {
+    const Tensor w2 = w.reshape({w.size(0), w.size(1)});
+    if (g.stride[0] == 1 && g.stride[1] == 1) {
+      dx = at::empty_like(x);
+      Tensor dx_rows = rows(dx);
+      at::mm_out(dx_rows, dyr, w2);
+    } else {
+      dx = at::zeros_like(x);
+      const Tensor hit = at::mm(dyr, w2).view({dy.size(0), dy.size(2), dy.size(3), x.size(1)}).permute({0, 3, 1, 2});
+      dx.slice(2, 0, x.size(2), g.stride[0]).slice(3, 0, x.size(3), g.stride[1]).copy_(hit);
+    }
   } else if (nx) {
-    dx = at::zeros_like(x);
-    const Tensor hit = at::mm(dyr, w2).view({dy.size(0), dy.size(2), dy.size(3), x.size(1)}).permute({0, 3, 1, 2});
-    dx.slice(2, 0, x.size(2), stride[0]).slice(3, 0, x.size(3), stride[1]).copy_(hit);
+    const std::vector<int64_t> bias_sizes{w.size(0)}, out_pad(g.stride.size(), 0);
+    std::tie(dx, std::ignore, db) = at::convolution_backward(
+        dy, x, w, given(bias) ? at::OptionalIntArrayRef(bias_sizes) : at::OptionalIntArrayRef(), g.stride, g.padding,
+        g.dilation, false, out_pad, g.groups, {true, false, nb});
   }
   if (nw) {
-    dw = at::empty_like(w);
-    Tensor dw2 = dw.as_strided({w.size(0), w.size(1)}, {w.size(1), 1});
-    at::mm_out(dw2, dyr.t(), rows(subsample(x, stride)));
+    dw = at::empty(w.sizes(), w.options().memory_format(at::MemoryFormat::ChannelsLast));
+    Tensor dw2 = dw.as_strided({w.size(0), w.numel() / w.size(0)}, {w.numel() / w.size(0), 1});
+    at::mm_out(dw2, dyr.t(), columns(x, w, dy, g));
   }
-  if (nb) db = dyr.sum(0);
+  if (nb && !db.defined()) db = dyr.sum(0);
   return {dx, dw, db};
 }
 
 std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                                  const OptTensor& bias, const Geometry& g, bool nx, bool nw, bool nb) {
-  auto by_conv = [&] {
+  auto by_aten = [&] {
     const std::vector<int64_t> bias_sizes{weight.size(0)}, out_pad(g.stride.size(), 0);
     return at::convolution_backward(dy, x, weight, given(bias) ? at::OptionalIntArrayRef(bias_sizes)
                                                                : at::OptionalIntArrayRef(),
                                     g.stride, g.padding, g.dilation, false, out_pad, g.groups, {nx, nw, nb});
   };
-  const auto policy = Pointwise(pointwise_policy.load());
-  if (policy == Pointwise::conv || !is_pointwise(x, weight, dy, g)) return by_conv();
-  auto by_gemm = [&] { return pointwise_gemm_backward(dy, x, weight, g.stride, nx, nw, nb); };
-  if (policy == Pointwise::gemm) return by_gemm();
-  if (at::globalContext().deterministicAlgorithms()) return by_conv();
-  const PointwiseKey key{x.size(0), x.size(1), x.size(2), x.size(3), weight.size(0), g.stride[0], g.stride[1],
-                         int64_t(x.scalar_type()), int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2,
-                         int64_t(at::get_num_threads())};
+  const auto way = GemmWay(gemm_way.load());
+  if (way == GemmWay::never || !gemm_way_fits(x, weight, dy, g, nw)) return by_aten();
+  auto by_gemm = [&] { return gemm_way_backward(dy, x, weight, bias, g, nx, nw, nb); };
+  if (way == GemmWay::always) return by_gemm();
+  if (at::globalContext().deterministicAlgorithms()) return by_aten();
+  const ShapeKey key{x.size(0), x.size(1), x.size(2), x.size(3), weight.size(0), weight.size(2), weight.size(3),
+                     g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1],
+                     int64_t(x.scalar_type()), int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2,
+                     int64_t(at::get_num_threads())};
   {
-    std::lock_guard<std::mutex> lock(pointwise_mutex);
-    const auto it = pointwise_won.find(key);
-    if (it != pointwise_won.end()) return it->second ? by_gemm() : by_conv();
+    std::lock_guard<std::mutex> lock(gemm_mutex);
+    const auto it = gemm_won.find(key);
+    if (it != gemm_won.end()) return it->second ? by_gemm() : by_aten();
   }
   // first meeting: a warm-up run each, then the faster of two timed runs each, alternating
   using clock = std::chrono::steady_clock;
-  double best_conv = 1e300, best_gemm = 1e300;
+  double best_aten = 1e300, best_gemm = 1e300;
   std::tuple<Tensor, Tensor, Tensor> result;
   for (int i = 0; i < 3; ++i) {
     const auto t0 = clock::now();
-    result = by_conv();
+    result = by_aten();
     const auto t1 = clock::now();
     result = by_gemm();
     const auto t2 = clock::now();
     if (i == 0) continue;
-    best_conv = std::min(best_conv, std::chrono::duration<double>(t1 - t0).count());
+    best_aten = std::min(best_aten, std::chrono::duration<double>(t1 - t0).count());
     best_gemm = std::min(best_gemm, std::chrono::duration<double>(t2 - t1).count());
   }
-  std::lock_guard<std::mutex> lock(pointwise_mutex);
-  pointwise_won[key] = best_gemm < best_conv;
+  std::lock_guard<std::mutex> lock(gemm_mutex);
+  gemm_won[key] = best_gemm < best_aten;
   return result;
 }
 
-// How a pointwise conv's backward runs from now on: 0 conv, 1 GEMMs, 2 timed per shape (the default, keeping the
-// timings made so far); returns the previous policy
-int64_t set_pointwise_policy(int64_t policy) {
-  TORCH_CHECK_VALUE(policy >= 0 && policy <= 2, "clfast_cpu.set_pointwise_policy: 0 (conv), 1 (gemm) or 2 (timed), got ",
-                    policy);
-  return pointwise_policy.exchange(policy);
+// How conv backward runs from now on: 0 ATen's way, 1 the GEMM way where it fits, 2 timed per shape (the default,
+// keeping the timings made so far); returns the previous setting
+int64_t set_gemm_backward(int64_t how) {
+  TORCH_CHECK_VALUE(how >= 0 && how <= 2, "clfast_cpu.set_gemm_backward: 0 (conv), 1 (gemm) or 2 (timed), got ", how);
+  return gemm_way.exchange(how);
 }
 
-// The timed choices so far: per shape a row (PointwiseKey's values, then 1 if the GEMMs won) and the dtype's name
-std::tuple<Tensor, std::vector<std::string>> pointwise_choices() {
-  constexpr int64_t n = std::tuple_size_v<PointwiseKey> + 1;
-  std::lock_guard<std::mutex> lock(pointwise_mutex);
-  Tensor t = at::empty({int64_t(pointwise_won.size()), n}, at::kLong);
+// The timed choices so far: per shape a row (ShapeKey's values, then 1 if the GEMM way won) and the dtype's name
+std::tuple<Tensor, std::vector<std::string>> gemm_backward_choices() {
+  constexpr int64_t n = std::tuple_size_v<ShapeKey> + 1;
+  std::lock_guard<std::mutex> lock(gemm_mutex);
+  Tensor t = at::empty({int64_t(gemm_won.size()), n}, at::kLong);
   std::vector<std::string> dtypes;
   int64_t* p = t.data_ptr<int64_t>();
-  for (const auto& [k, won] : pointwise_won) {
+  for (const auto& [k, won] : gemm_won) {
     std::copy(k.begin(), k.end(), p);
     p[n - 1] = won;
     p += n;
-    dtypes.emplace_back(c10::toString(at::ScalarType(k[7])));
+    dtypes.emplace_back(c10::toString(at::ScalarType(k[13])));
   }
   return {t, dtypes};
 }
@@ -312,8 +359,8 @@ TORCH_LIBRARY(clfast_cpu, m) {
         "float act_param, bool[6] needs, Tensor? grad_means=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("batch_stats(Tensor y) -> (Tensor mean, Tensor var)");
   m.def("simd_info() -> (str capability, int float_lanes)", &simd_info);
-  m.def("set_pointwise_policy(int policy) -> int", &set_pointwise_policy);
-  m.def("pointwise_choices() -> (Tensor rows, str[] dtypes)", &pointwise_choices);
+  m.def("set_gemm_backward(int how) -> int", &set_gemm_backward);
+  m.def("gemm_backward_choices() -> (Tensor rows, str[] dtypes)", &gemm_backward_choices);
 }
 
 TORCH_LIBRARY_IMPL(clfast_cpu, CPU, m) {

@@ -278,6 +278,20 @@ def test_gemm_backward(k, gemm_way, how, dtype, weight_cl, case):
         assert g.dtype == dtype and g.shape == w_.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
         assert_close(g, w_, TOL[dtype][1], f"{how} {name}")
 
+@pytest.mark.parametrize('hw', [(1, 1), (2, 1), (1, 3)], ids=str)
+@pytest.mark.parametrize('case', [((3, 3), (1, 1), (2, 2), (2, 2)), ((5, 5), (2, 2), (2, 2), (1, 1)),
+                                  ((3, 1), (1, 1), (3, 0), (1, 1))], ids=['3x3d2', '5x5s2', '3x1p3'])
+@pytest.mark.parametrize('how', ['gemm', 'timed'])
+def test_gemm_backward_taps_outside_the_input(k, gemm_way, how, case, hw):
+    "Maps smaller than the kernel: taps that read only padding (the im2col's empty ranges) give fp64 ATen's gradients"
+    kernel, stride, padding, dilation = case
+    geom = (list(stride), list(padding), list(dilation), 1)
+    x, wt, b = conv_case(torch.float64, n=2, cin=5, cout=3, h=hw[0], w=hw[1], kernel=kernel, weight_cl=True)
+    gemm_way(how)
+    got, dout = gemm_bwd(k, x, wt, b, geom)
+    want = torch.ops.aten.convolution_backward(dout, x, wt, [3], *geom[:3], False, [0, 0], 1, [True, True, True])
+    for name, g, w_ in zip(('dx', 'dweight', 'dbias'), got, want): assert_close(g, w_, 1e-12, f"{how} {name}")
+
 def test_gemm_backward_timed_once_per_shape(k, gemm_way):
     "'timed' decides once per shape (x, kernel, geometry, dtype, needs, threads); convs the GEMM way does not fit, or run under deterministic algorithms, are never timed"
     n, cin, cout, h, w = 2, 16, 24, 3, 11     # a shape no other test uses
@@ -287,11 +301,13 @@ def test_gemm_backward_timed_once_per_shape(k, gemm_way):
     keys = lambda: set(cpu_kernels.gemm_backward_choices())
     x, wt, b = conv_case(torch.float32, n, cin, cout, h, w, bias=False)
     before = keys()
-    _, dout = gemm_bwd(k, x, wt, None, one)
+    first, dout = gemm_bwd(k, x, wt, None, one)
     assert keys() - before == {key()}, keys() - before
     choice = cpu_kernels.gemm_backward_choices()[key()]
     assert choice in ('gemm', 'conv')
-    for _ in range(3): gemm_bwd(k, x, wt, None, one, dout=dout)
+    for _ in range(3):   # the timing call gave the winner's results, bitwise
+        later, _ = gemm_bwd(k, x, wt, None, one, dout=dout)
+        assert all(torch.equal(a, b) for a, b in zip(first, later))
     gemm_bwd(k, x, wt, None, one, needs=(True, False, False), dout=dout)       # other results wanted: another shape
     gemm_bwd(k, x, wt, None, ([2, 2], [0, 0], [1, 1], 1))
     w3 = torch.randn(cout, cin, 3, 3)

@@ -49,9 +49,12 @@ print('WORST', worst)
 def test_avx2_kernel_is_wrong_without_the_guard_and_fp64_equal_with_it():
     "With oneDNN capped at AVX2 (any x86 CI machine) the stock kernel is wrong or crashes; through the guard it equals fp64"
     env = {'ONEDNN_MAX_CPU_ISA': 'AVX2'}
-    stock = run_child(WGRAD_VS_FP64.replace('sys.argv[1]', "'stock'"), env)
-    crashed = stock.returncode != 0
-    assert crashed or float(stock.stdout.split('WORST')[1]) > 1e-2, stock.stdout + stock.stderr
+    # the kernel overruns its workspace, so what it returns depends on memory it does not own: once (2026-11-23) a
+    # process got all eight seeds right. Wrong or crashed in one of three processes is the premise
+    for _ in range(3):
+        stock = run_child(WGRAD_VS_FP64.replace('sys.argv[1]', "'stock'"), env)
+        if stock.returncode != 0 or float(stock.stdout.split('WORST')[1]) > 1e-2: break
+    else: raise AssertionError(f"the stock kernel was right in three processes: {stock.stdout}{stock.stderr}")
     ok = run_child(WGRAD_VS_FP64.replace('sys.argv[1]', "'guarded'"), env)
     assert ok.returncode == 0, ok.stderr
     assert float(ok.stdout.split('WORST')[1]) < 1e-5

@@ -88,11 +88,9 @@ def section_train(args):
         r = fusion_report(models['speed'])
         bns = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in models['stock_cl'].modules())
         print(f"fusion: {len(r.fused)} fused entries, {len(r.skipped)} skipped, of {bns} BN layers")
-        base = None
-        for k, m in models.items():
-            act, par = saved_bytes(m, x)
-            base = base or act
-            print(f"saved activations {k:>8}: {act/MiB:8.1f} MiB ({act/base:6.1%} of stock_cl)")
+        # timed first, saved activations after: a grad-mode forward that keeps every activation alive leaves glibc's
+        # heap in a state where later steps page-fault more (measured: 'speed' 1.06-1.08x stock before, 0.94-1.06x after
+        # such a forward; the MALLOC_* settings in BENCHMARKS.md make the order irrelevant)
         for amp in amps:
             fns = {k: train_step_fn(m, x, amp=amp) for k, m in models.items()}
             # 'speed' again with every conv's backward left to ATen: what the GEMM way, where timing chose it, brings
@@ -104,8 +102,13 @@ def section_train(args):
                 print(f"train step {k:>8}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}")
             for k in ('speed', 'memory', 'speed_conv'): print("  " + paired_ratios(raw, 'stock_cl', k))
             print("  " + paired_ratios(raw, 'speed_conv', 'speed'))
-            gemm = sum(v == 'gemm' for v in gemm_backward_choices().values())
-            print(f"  conv backward shapes timed: {len(gemm_backward_choices())}, the GEMM way won {gemm}")
+            won = [f"{x}->{w[0]}x{w[1]}x{w[2]}/{st[0]}" for (x, w, st, *_), v in gemm_backward_choices().items() if v == 'gemm']
+            print(f"  conv backward shapes timed in this process: {len(gemm_backward_choices())}, the GEMM way won {len(won)}: {', '.join(won)}")
+        base = None
+        for k, m in models.items():
+            act, par = saved_bytes(m, x)
+            base = base or act
+            print(f"saved activations {k:>8}: {act/MiB:8.1f} MiB ({act/base:6.1%} of stock_cl)")
 
 def section_infer(args):
     "fold_conv_bn + channels-last (oneDNN) against stock and torch.compile (inductor), fp32 and bf16 autocast"

@@ -7,9 +7,9 @@
 // autograd and autocast (the caller has cast the dtypes). Also registers every `clfast_cpu` op.
 #include "act.h"  // first: simd.h picks the CPU capability of ATen's vec headers
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
-#include <ATen/Parallel.h>
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -134,11 +134,14 @@ Tensor rows(const Tensor& t) { return t.as_strided({t.numel() / t.size(1), t.siz
 bool is_1x1_unpadded(const Tensor& w, const Geometry& g) {
   return w.size(2) == 1 && w.size(3) == 1 && g.padding[0] == 0 && g.padding[1] == 0;
 }
+// a 1x1 conv at stride 1 without padding: cols(x) is x's own rows
+bool reads_rows(const Tensor& w, const Geometry& g) {
+  return is_1x1_unpadded(w, g) && g.stride[0] == 1 && g.stride[1] == 1;
+}
 
 bool gemm_way_fits(const Tensor& x, const Tensor& w, const Tensor& dy, const Geometry& g, bool nw) {
   if (!(x.dim() == 4 && g.groups == 1 && clfast_cpu::is_rows(x) && clfast_cpu::is_rows(dy))) return false;
-  const bool plain = is_1x1_unpadded(w, g) && g.stride[0] == 1 && g.stride[1] == 1;
-  if (plain) return true;
+  if (reads_rows(w, g)) return true;
   if (!nw && !is_1x1_unpadded(w, g)) return false;  // nothing for the GEMMs to do: dx is ATen's
   return dy.numel() / dy.size(1) * w.numel() / w.size(0) * x.element_size() <= kMaxColumnsBytes;
 }
@@ -147,7 +150,7 @@ bool gemm_way_fits(const Tensor& x, const Tensor& w, const Tensor& dy, const Geo
 Tensor columns(const Tensor& x, const Tensor& w, const Tensor& dy, const Geometry& g) {
   const int64_t n = x.size(0), c = x.size(1), h = x.size(2), wd = x.size(3), kh = w.size(2), kw = w.size(3);
   const int64_t ho = dy.size(2), wo = dy.size(3);
-  if (kh == 1 && kw == 1 && g.padding[0] == 0 && g.padding[1] == 0 && g.stride[0] == 1 && g.stride[1] == 1) return rows(x);
+  if (reads_rows(w, g)) return rows(x);
   const Tensor xn = x.permute({0, 2, 3, 1});  // channels-last memory seen as NHWC
   Tensor cols = at::empty({n, ho, wo, kh, kw, c}, x.options());
   // the output positions [lo, hi) whose tap at offset `off` reads inside an input of `size` (the others read padding)
@@ -185,7 +188,7 @@ std::tuple<Tensor, Tensor, Tensor> gemm_way_backward(const Tensor& dy, const Ten
   Tensor dx, dw, db;
   if (nx && is_1x1_unpadded(w, g)) {
     const Tensor w2 = w.reshape({w.size(0), w.size(1)});
-    if (g.stride[0] == 1 && g.stride[1] == 1) {
+    if (reads_rows(w, g)) {
       dx = at::empty_like(x);
       Tensor dx_rows = rows(dx);
       at::mm_out(dx_rows, dyr, w2);

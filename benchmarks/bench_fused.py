@@ -89,7 +89,7 @@ def section_train(args):
         bns = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in models['stock_cl'].modules())
         print(f"fusion: {len(r.fused)} fused entries, {len(r.skipped)} skipped, of {bns} BN layers")
         # timed first, saved activations after: a grad-mode forward that keeps every activation alive leaves glibc's
-        # heap in a state where later steps page-fault more (measured: 'speed' 1.06-1.08x stock before, 0.94-1.06x after
+        # heap in a state where later steps page-fault more (measured: 'speed' 1.07-1.09x stock before, 0.94-1.06x after
         # such a forward; the MALLOC_* settings in BENCHMARKS.md make the order irrelevant)
         for amp in amps:
             fns = {k: train_step_fn(m, x, amp=amp) for k, m in models.items()}

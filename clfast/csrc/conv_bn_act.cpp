@@ -181,6 +181,14 @@ Tensor columns(const Tensor& x, const Tensor& w, const Tensor& dy, const Geometr
   return cols.view({n * ho * wo, kh * kw * c});
 }
 
+std::tuple<Tensor, Tensor, Tensor> aten_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
+                                                      const OptTensor& bias, const Geometry& g, bool nx, bool nw,
+                                                      bool nb) {
+  const std::vector<int64_t> bias_sizes{w.size(0)}, out_pad(g.stride.size(), 0);
+  return at::convolution_backward(dy, x, w, given(bias) ? at::OptionalIntArrayRef(bias_sizes) : at::OptionalIntArrayRef(),
+                                  g.stride, g.padding, g.dilation, false, out_pad, g.groups, {nx, nw, nb});
+}
+
 std::tuple<Tensor, Tensor, Tensor> gemm_way_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
                                                      const OptTensor& bias, const Geometry& g, bool nx, bool nw,
                                                      bool nb) {
@@ -198,10 +206,7 @@ std::tuple<Tensor, Tensor, Tensor> gemm_way_backward(const Tensor& dy, const Ten
       dx.slice(2, 0, x.size(2), g.stride[0]).slice(3, 0, x.size(3), g.stride[1]).copy_(hit);
     }
   } else if (nx) {
-    const std::vector<int64_t> bias_sizes{w.size(0)}, out_pad(g.stride.size(), 0);
-    std::tie(dx, std::ignore, db) = at::convolution_backward(
-        dy, x, w, given(bias) ? at::OptionalIntArrayRef(bias_sizes) : at::OptionalIntArrayRef(), g.stride, g.padding,
-        g.dilation, false, out_pad, g.groups, {true, false, nb});
+    std::tie(dx, std::ignore, db) = aten_conv_backward(dy, x, w, bias, g, true, false, nb);
   }
   if (nw) {
     dw = at::empty(w.sizes(), w.options().memory_format(at::MemoryFormat::ChannelsLast));
@@ -214,12 +219,7 @@ std::tuple<Tensor, Tensor, Tensor> gemm_way_backward(const Tensor& dy, const Ten
 
 std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                                  const OptTensor& bias, const Geometry& g, bool nx, bool nw, bool nb) {
-  auto by_aten = [&] {
-    const std::vector<int64_t> bias_sizes{weight.size(0)}, out_pad(g.stride.size(), 0);
-    return at::convolution_backward(dy, x, weight, given(bias) ? at::OptionalIntArrayRef(bias_sizes)
-                                                               : at::OptionalIntArrayRef(),
-                                    g.stride, g.padding, g.dilation, false, out_pad, g.groups, {nx, nw, nb});
-  };
+  auto by_aten = [&] { return aten_conv_backward(dy, x, weight, bias, g, nx, nw, nb); };
   const auto way = GemmWay(gemm_way.load());
   if (way == GemmWay::never || !gemm_way_fits(x, weight, dy, g, nw)) return by_aten();
   auto by_gemm = [&] { return gemm_way_backward(dy, x, weight, bias, g, nx, nw, nb); };

@@ -15,7 +15,7 @@ from .machine import MachineCache, machine_key
 from .guard import CHECK_CACHE, _conv_params, guard_model
 
 # %% auto #0
-__all__ = ['conv_geometries', 'check_geometries', 'check_channelslast', 'main']
+__all__ = ['conv_geometries', 'check_geometries', 'grad_error', 'check_channelslast', 'main']
 
 # %% ../nbs/06_check.ipynb #40c2d139
 def conv_geometries(model:nn.Module, *inputs) -> dict:
@@ -120,6 +120,15 @@ def _precision(dtype) -> str:
     name = str(dtype).replace('torch.', '')
     if name not in ('float32', 'bfloat16', 'float16'): raise ValueError(f"precision must be float32, bfloat16 or float16, got {dtype!r}")
     return name
+
+def grad_error(grads:dict, ref:dict, floor:float=1e-3) -> float:
+    """The worst parameter's gradient error against the reference `ref` (fp64): `max |g - ref|` over each parameter,
+    relative to `max(max |ref|, floor * the largest |ref| of any parameter)`, so a parameter whose true gradient is
+    near zero (a conv just before a BN is nearly scale-invariant) is judged on the model's scale, not its own"""
+    if grads.keys() != ref.keys(): raise ValueError(f"gradients of different parameters: {sorted(set(grads) ^ set(ref))[:5]}")
+    top = max((r.abs().max().item() for r in ref.values()), default=0.) * floor
+    return max(((grads[k].double() - r.double()).abs().max().item() / max(r.abs().max().item(), top, 1e-30)
+                for k, r in ref.items()), default=0.)
 
 def check_channelslast(model:nn.Module, *inputs, precision='float32', n:int=2, timeout:float=60,
                        guard:bool=True) -> pd.DataFrame:

@@ -37,6 +37,8 @@ def acc_dtype(dt:torch.dtype) -> torch.dtype:
 PARAM_ROWS = ('mean', 'invstd', 'scale', 'shift', 'var')
 
 def _conv(x, w, b, stride, padding, dilation, groups):
+    "The layer's conv; a layer without one (`w` None: BatchNorm alone) passes `x` on"
+    if w is None: return x
     return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, False, [0, 0], groups)
 
 def _empty(t:Tensor) -> Tensor: return t.new_empty(0)
@@ -98,7 +100,8 @@ def ref_layer_bwd(dout, x, weight, bias, y, params, residual, out, stride, paddi
     dy = (dz - mean_dz - xhat * mean_dzx) * scale if training else dz * scale
     dy = from_rows(dy.to(y.dtype), y)
     dx = dw = db = None
-    if any(needs[:3]):
+    if weight is None: dx = dy if needs[0] else None   # BatchNorm alone: its input is the conv output
+    elif any(needs[:3]):
         dx, dw, db = torch.ops.aten.convolution_backward(dy, x, weight, None if bias is None else [weight.shape[0]],
                                                          stride, padding, dilation, False, [0, 0], groups,
                                                          [needs[0], needs[1], needs[2] and bias is not None])
@@ -218,7 +221,7 @@ def _synced_grad_means(sum_dz:Tensor, sum_dzx:Tensor, y:Tensor, group:str) -> Te
     return (sums[:2] / sums[2]).to(sum_dz.dtype)
 
 # %% ../nbs/21_ops.ipynb #a914006e
-def _layer_fwd(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Optional[Tensor],
+def _layer_fwd(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_weight:Optional[Tensor],
                bn_bias:Optional[Tensor], residual:Optional[Tensor], mean:Optional[Tensor], var:Optional[Tensor],
                stride:list[int], padding:list[int], dilation:list[int], groups:int, eps:float, act:int,
                act_param:float, keep_y:bool, group:str='') -> tuple[Tensor, Tensor, Tensor]:
@@ -258,7 +261,7 @@ def _layout_like(g:Tensor, t:Tensor) -> Tensor:
     return g if g.numel() == 0 else g.contiguous(memory_format=_layout(t))
 
 #| export
-def _layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Optional[Tensor], y:Tensor, params:Tensor,
+def _layer_bwd(dout:Tensor, x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], y:Tensor, params:Tensor,
                residual:Optional[Tensor], out:Tensor, stride:list[int], padding:list[int], dilation:list[int],
                groups:int, training:bool, act:int, act_param:float, needs:list[bool],
                group:str='') -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -282,7 +285,7 @@ conv_bn_act_backward_op = torch.library.custom_op("clfast::conv_bn_act_backward"
 def _(dout, x, weight, bias, y, params, residual, out, stride, padding, dilation, groups, training, act, act_param,
       needs, group=''):
     pick = lambda need, t: torch.empty_like(t, memory_format=_layout(t)) if need else _empty(params)
-    return (pick(needs[0], x), pick(needs[1], weight), pick(needs[2] and bias is not None, params[0].to(weight.dtype)),
+    return (pick(needs[0], x), pick(needs[1], weight), pick(needs[2] and bias is not None, params[0].to(x.dtype)),
             pick(needs[3], params[0]), pick(needs[4], params[0]),
             torch.empty_like(dout, memory_format=torch.channels_last) if needs[5] else _empty(params))
 
@@ -364,17 +367,19 @@ def _(running_mean, running_var, num_batches_tracked, params, momentum): return 
 _BODIES = {conv_bn_act_op: _layer_fwd, conv_bn_act_backward_op: _layer_bwd, bn_update_running_op: _update_running}
 
 # %% ../nbs/21_ops.ipynb #4ef06bd8
-def _out_size(x:Tensor, weight:Tensor, stride, padding, dilation) -> list[int]:
+def _out_size(x:Tensor, weight:Optional[Tensor], stride, padding, dilation) -> list[int]:
+    if weight is None: return list(x.shape)
     hw = [(n + 2*p - d*(k-1) - 1) // s + 1 for n, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
     return [x.shape[0], weight.shape[0], *hw]
 
-def fused_conv_bn(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Optional[Tensor], bn_bias:Optional[Tensor],
+def fused_conv_bn(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_weight:Optional[Tensor], bn_bias:Optional[Tensor],
                   running_mean:Optional[Tensor], running_var:Optional[Tensor], num_batches_tracked:Optional[Tensor],
                   training:bool, momentum:Optional[float], eps:float, stride, padding, dilation, groups:int,
                   residual:Optional[Tensor]=None, act:str='none', act_param:float=0., keep_y:bool=True,
                   process_group:Optional[dist.ProcessGroup]=None) -> Tensor:
     """`act(batch_norm(conv(x)) [+ residual])` with `BatchNorm2d`'s semantics; running statistics updated in place.
-    With a `process_group` of more than one rank, batch statistics are `SyncBatchNorm`'s: over every rank's batch"""
+    With a `process_group` of more than one rank, batch statistics are `SyncBatchNorm`'s: over every rank's batch.
+    `weight` None: no conv, `act(batch_norm(x) [+ residual])` (`bias` None too; `keep_y` is moot: backward has `x`)"""
     if x.dim() != 4: raise ValueError(f"expected 4D input (got {x.dim()}D input)")
     a = get_act(act) if isinstance(act, str) else _act_of(act)
     size = _out_size(x, weight, stride, padding, dilation)
@@ -388,6 +393,7 @@ def fused_conv_bn(x:Tensor, weight:Tensor, bias:Optional[Tensor], bn_weight:Opti
     mean = var = None
     if not batch_stats:  # copies, so that a later in-place update cannot invalidate what backward saved
         mean, var = running_mean.detach().clone(), running_var.detach().clone()
+    keep_y = keep_y and weight is not None   # without a conv, y is x: backward has it anyway (and an op's output may not alias its input)
     args = (x, weight, bias, bn_weight, bn_bias, residual, mean, var, list(stride), list(padding), list(dilation),
             groups, eps, a.code, float(act_param), keep_y, group)
     eager = _eager()

@@ -40,7 +40,9 @@ def test_format_find_measures_every_setup_and_leaves_the_learner_as_it_was():
     assert list(df.columns[:5]) == ['samples_per_s', 'speedup', 'memory_mib', 'loss_drift', 'grad_drift']
     assert df.index[0] == 'contiguous fp32' and df.loc['contiguous fp32', 'speedup'] == 1.0
     assert (df.error == '').all() and (df.steps == 2).all() and (df.samples_per_s > 0).all()
-    assert (df.grad_drift < 1e-3).all() and (df.loss_drift < 1e-2).all()   # fp32 setups train the same, fused or not
+    # fp32 setups train the same, fused or not; half-precision rows exist only where the CPU runs one fast (and drift more)
+    fp32 = df[[' fp32' in name for name in df.index]]
+    assert len(fp32) == 4 and (fp32.grad_drift < 1e-3).all() and (fp32.loss_drift < 1e-2).all()
     mem = df.memory_mib
     assert mem['channels-last fp32 fuse=memory'] < mem['channels-last fp32']   # recomputing the conv saves activations
     _fit(learn)                                              # and the learner trains on

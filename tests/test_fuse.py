@@ -165,11 +165,15 @@ def test_fold_repacks_when_shape_or_weights_change():
         f.conv1.weight.mul_(-0.5)
         torch.testing.assert_close(f(x), stock(x), rtol=1e-4, atol=1e-5)
         # bf16: the plan holds a converted bias, not a view of it (where oneDNN has no bf16 conv, as on AVX2, the
-        # folded conv falls back to the stock one with a warning and this checks that path)
+        # folded conv falls back to the stock one with a warning and this checks that path). Two bf16 results differ
+        # by bf16's rounding (5% where oneDNN's bf16 conv runs), so each is compared with the same weights in fp64
         fb = fold_conv_bn(m).to(torch.bfloat16)
         xb = x.bfloat16()
         fb(xb); fb.conv1.bias.add_(1.0)
-        torch.testing.assert_close(fb(xb), pickle.loads(pickle.dumps(fb))(xb))
+        ref = pickle.loads(pickle.dumps(fb)).double()(xb.double())
+        rel_l2 = lambda got: ((got.double() - ref).norm() / ref.norm()).item()
+        folded, stock_bf16 = rel_l2(fb(xb)), rel_l2(pickle.loads(pickle.dumps(fb))(xb))
+        assert folded < 2e-2 and folded < 2 * stock_bf16, (folded, stock_bf16)
         f.load_state_dict({k: v * 1.5 if k.endswith('conv2.weight') else v for k, v in f.state_dict().items()})
         torch.testing.assert_close(f(x), stock(x), rtol=1e-4, atol=1e-5)
 

@@ -27,6 +27,15 @@ constexpr double kErfPdf = 0.39894228040143267794;                  // 1/sqrt(2*
 constexpr double kTanhBeta = 0.79788456080286535588;                // sqrt(2/pi)           (gelu_tanh)
 constexpr double kTanhKappa = 0.044715;
 
+// `formula` but at z = +-inf, where the smooth activations' formulas meet inf * 0 (NaN): there the mathematical limits
+// `at_pos` / `at_neg` (act(+inf) = +inf, act(-inf) = 0, act'(+inf) = 1, act'(-inf) = 0). Stock PyTorch gives NaN at
+// one or both ends, differently in its scalar and vectorized paths (gelu(+inf): NaN on a [1,C,1,1] tensor, +inf on a
+// [2,C,2,2] one), so it is no oracle there.
+template <typename V> inline V limits(V z, V formula, V at_pos, V at_neg) {
+  using namespace simd;
+  return sel(z == k<V>(INFINITY), at_pos, sel(z == k<V>(-INFINITY), at_neg, formula));
+}
+
 // Forward: act(z)
 template <int A, typename V> inline V f(V z, V p) {
   using namespace simd;
@@ -34,12 +43,13 @@ template <int A, typename V> inline V f(V z, V p) {
   else if constexpr (A == kRelu) return sel(z < k<V>(0), k<V>(0), z);              // NaN passes, as torch.relu
   else if constexpr (A == kRelu6) return sel(z < k<V>(0), k<V>(0), sel(z > k<V>(6), k<V>(6), z));  // hardtanh(0, 6)
   else if constexpr (A == kLeaky) return sel(z > k<V>(0), z, z * p);
-  else if constexpr (A == kSilu) return z / (k<V>(1) + simd::exp(neg(z)));
-  else if constexpr (A == kHardswish) return z * simd::min(simd::max(z + k<V>(3), k<V>(0)), k<V>(6)) / k<V>(6);
-  else if constexpr (A == kGelu) return z * k<V>(0.5) * (k<V>(1) + simd::erf(z * k<V>(kSqrt1_2)));
+  else if constexpr (A == kSilu) return limits(z, z / (k<V>(1) + simd::exp(neg(z))), z, k<V>(0));
+  else if constexpr (A == kHardswish)
+    return limits(z, z * simd::min(simd::max(z + k<V>(3), k<V>(0)), k<V>(6)) / k<V>(6), z, k<V>(0));
+  else if constexpr (A == kGelu) return limits(z, z * k<V>(0.5) * (k<V>(1) + simd::erf(z * k<V>(kSqrt1_2))), z, k<V>(0));
   else if constexpr (A == kGeluTanh) {
     const V inner = k<V>(kTanhBeta) * (z + k<V>(kTanhKappa) * z * z * z);
-    return k<V>(0.5) * z * (k<V>(1) + simd::tanh(inner));
+    return limits(z, k<V>(0.5) * z * (k<V>(1) + simd::tanh(inner)), z, k<V>(0));
   } else static_assert(A < 0, "unknown activation code");
 }
 
@@ -52,19 +62,20 @@ template <int A, typename V> inline V df(V z, V p) {
   else if constexpr (A == kLeaky) return sel(z > k<V>(0), k<V>(1), p);
   else if constexpr (A == kSilu) {
     const V s = k<V>(1) / (k<V>(1) + simd::exp(neg(z)));
-    return s * (k<V>(1) + z * (k<V>(1) - s));
+    return limits(z, s * (k<V>(1) + z * (k<V>(1) - s)), k<V>(1), k<V>(0));
   } else if constexpr (A == kHardswish) {
     // 0 at z == -3 and 1 at z == 3 exactly, as stock's hardswish_backward
     return sel(z <= k<V>(-3), k<V>(0), sel(z >= k<V>(3), k<V>(1), z / k<V>(3) + k<V>(0.5)));
   } else if constexpr (A == kGelu) {
     const V cdf = k<V>(0.5) * (k<V>(1) + simd::erf(z * k<V>(kSqrt1_2)));
     const V pdf = k<V>(kErfPdf) * simd::exp(k<V>(-0.5) * z * z);
-    return cdf + z * pdf;
+    return limits(z, cdf + z * pdf, k<V>(1), k<V>(0));
   } else if constexpr (A == kGeluTanh) {
     const V z2 = z * z;
     const V t = simd::tanh(k<V>(kTanhBeta) * (z + k<V>(kTanhKappa) * z2 * z));
-    return k<V>(0.5) * (k<V>(1) + t) +
-           k<V>(0.5) * z * (k<V>(1) - t * t) * k<V>(kTanhBeta) * (k<V>(1) + k<V>(3 * kTanhKappa) * z2);
+    return limits(z, k<V>(0.5) * (k<V>(1) + t) +
+                     k<V>(0.5) * z * (k<V>(1) - t * t) * k<V>(kTanhBeta) * (k<V>(1) + k<V>(3 * kTanhKappa) * z2),
+                  k<V>(1), k<V>(0));
   } else static_assert(A < 0, "unknown activation code");
 }
 

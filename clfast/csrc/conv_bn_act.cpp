@@ -32,9 +32,11 @@ bool given(const OptTensor& t) { return t.has_value() && t->defined(); }
 
 struct Geometry { at::IntArrayRef stride, padding, dilation; int64_t groups; };
 
-Tensor conv(const Tensor& x, const Tensor& w, const OptTensor& b, const Geometry& g) {
+// The layer's conv; a layer without one (no weight: BatchNorm alone) passes x on
+Tensor conv(const Tensor& x, const OptTensor& w, const OptTensor& b, const Geometry& g) {
+  if (!given(w)) return x;
   const std::vector<int64_t> out_pad(g.stride.size(), 0);
-  return at::convolution(x, w, given(b) ? b : std::nullopt, g.stride, g.padding, g.dilation, false, out_pad, g.groups);
+  return at::convolution(x, *w, given(b) ? b : std::nullopt, g.stride, g.padding, g.dilation, false, out_pad, g.groups);
 }
 
 Tensor channels_last(const Tensor& t) {
@@ -69,7 +71,7 @@ struct Guards {
 };
 
 std::tuple<Tensor, Tensor, Tensor> layer_fwd(
-    const Tensor& x, const Tensor& weight, const OptTensor& bias, const OptTensor& bn_weight, const OptTensor& bn_bias,
+    const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& bn_weight, const OptTensor& bn_bias,
     const OptTensor& residual, const OptTensor& mean, const OptTensor& var, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, double eps, int64_t act, double act_param,
     bool keep_y, const OptTensor& y_given) {
@@ -279,7 +281,7 @@ std::tuple<Tensor, std::vector<std::string>> gemm_backward_choices() {
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
-    const Tensor& dout, const Tensor& x, const Tensor& weight, const OptTensor& bias, const Tensor& y_saved,
+    const Tensor& dout, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const Tensor& y_saved,
     const Tensor& params, const OptTensor& residual, const Tensor& out, at::IntArrayRef stride, at::IntArrayRef padding,
     at::IntArrayRef dilation, int64_t groups, bool training, int64_t act, double act_param, std::array<bool, 6> needs,
     const OptTensor& grad_means) {
@@ -322,7 +324,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
   if (needs[4]) { dbn_b = at::empty({c}, params.options()); a.sum_dz = dbn_b.data_ptr(); }
   if (a.dy || a.dres || a.sum_dz || a.sum_dzx) clfast_cpu::backward(g, y, c, a);
   Tensor dx, dw, db;
-  if (dy.defined()) std::tie(dx, dw, db) = conv_backward(dy, x, weight, bias, geom, nx, nw, nb);
+  if (dy.defined() && !given(weight)) dx = dy;  // no conv: y is x
+  else if (dy.defined()) std::tie(dx, dw, db) = conv_backward(dy, x, *weight, bias, geom, nx, nw, nb);
   auto or_empty = [&](const Tensor& t, const Tensor& like) { return t.defined() ? t : at::empty({0}, like.options()); };
   return {or_empty(dx, x), or_empty(dw, x), or_empty(db, x), or_empty(dbn_w, params), or_empty(dbn_b, params),
           or_empty(dres, x)};
@@ -356,10 +359,10 @@ std::tuple<std::string, int64_t> simd_info() {
 }  // namespace
 
 TORCH_LIBRARY(clfast_cpu, m) {
-  m.def("layer_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, Tensor? residual, "
+  m.def("layer_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, Tensor? residual, "
         "Tensor? mean, Tensor? var, int[] stride, int[] padding, int[] dilation, int groups, float eps, int act, "
         "float act_param, bool keep_y, Tensor? y=None) -> (Tensor out, Tensor y, Tensor params)");
-  m.def("layer_bwd(Tensor dout, Tensor x, Tensor weight, Tensor? bias, Tensor y, Tensor params, Tensor? residual, "
+  m.def("layer_bwd(Tensor dout, Tensor x, Tensor? weight, Tensor? bias, Tensor y, Tensor params, Tensor? residual, "
         "Tensor out, int[] stride, int[] padding, int[] dilation, int groups, bool training, int act, "
         "float act_param, bool[6] needs, Tensor? grad_means=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("batch_stats(Tensor y) -> (Tensor mean, Tensor var)");

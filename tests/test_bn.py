@@ -1,0 +1,112 @@
+"""clfast.bn: BatchNorm as precise channels-last as contiguous on the CPU (fp64 partial sums), against fp64; its premise
+measured on the machine; SyncBatchNorm's work on the CPU (two real ranks: test_distributed.py)."""
+import copy, pickle
+import pytest, torch
+from torch import nn
+import torch.nn.functional as F
+from hypothesis import given, example, strategies as st
+from clfast import guard
+from clfast.bn import (PreciseBatchNorm2d, PreciseSyncBatchNorm2d, make_precise, imprecise_cl_batch_norm, _bn_errors,
+                       cpu_sync_capable)
+from clfast.guard import guard_model, unguard_model, IMPRECISE_CL_BATCH_NORM
+from clfast.ops import kernel_backend, REFERENCE
+
+CL = torch.channels_last
+pytestmark = pytest.mark.skipif(kernel_backend('cpu') is REFERENCE, reason="clfast's C++ CPU kernels cannot be built here")
+
+def rel_err(got, want) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+
+def bn_errors(bn_fn, x64, dy64, dtype, memory_format):
+    "Worst relative error against fp64 of (out, dx, dweight, dbias) of `bn_fn()` (a fresh BN) run at `dtype` in `memory_format`"
+    ref, bn = bn_fn().double(), bn_fn()
+    xr = x64.clone().requires_grad_()
+    out64 = ref(xr); out64.backward(dy64)
+    x = x64.to(dtype).contiguous(memory_format=memory_format).requires_grad_()
+    out = bn(x); out.backward(dy64.to(dtype).contiguous(memory_format=memory_format))
+    errs = [rel_err(out, out64), rel_err(x.grad, xr.grad)]
+    if ref.affine: errs += [rel_err(bn.weight.grad, ref.weight.grad), rel_err(bn.bias.grad, ref.bias.grad)]
+    if ref.track_running_stats and ref.training:
+        errs += [rel_err(bn.running_mean, ref.running_mean), rel_err(bn.running_var, ref.running_var)]
+    return max(errs), bn, ref
+
+def _batch(shape, seed=0, mean=2., std=3.):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * std + mean,
+            torch.randn(shape, generator=g, dtype=torch.float64))
+
+@pytest.mark.parametrize('shape', [(16, 16, 112, 112), (8, 64, 40, 40), (4, 256, 14, 14)])
+def test_precise_bn_is_as_precise_as_contiguous(shape):
+    "fp32 training forward + backward: within 3x of stock contiguous fp32's error against fp64 (stock channels-last is not, where the premise holds)"
+    x64, dy64 = _batch(shape)
+    def fresh():
+        torch.manual_seed(1)
+        bn = nn.BatchNorm2d(shape[1]); nn.init.uniform_(bn.weight, .5, 1.5); nn.init.normal_(bn.bias)
+        return bn
+    contiguous, *_ = bn_errors(fresh, x64, dy64, torch.float32, torch.contiguous_format)
+    precise, bn, _ = bn_errors(lambda: make_precise(fresh()), x64, dy64, torch.float32, CL)
+    stock_cl, *_ = bn_errors(fresh, x64, dy64, torch.float32, CL)
+    assert type(bn) is PreciseBatchNorm2d
+    assert precise <= 3 * contiguous, (precise, contiguous, stock_cl)
+
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_precise_bn_half_precision(dtype):
+    "A half-precision batch (as under CPU autocast), fp32 parameters: output in the batch's dtype, within stock contiguous's error of fp64 (x3)"
+    x64, dy64 = _batch((8, 32, 32, 32))
+    x64, dy64 = x64.to(dtype).double(), dy64.to(dtype).double()   # the fp64 reference sees the same rounded inputs
+    fresh = lambda: nn.BatchNorm2d(32)
+    contiguous, *_ = bn_errors(fresh, x64, dy64, dtype, torch.contiguous_format)
+    precise, bn, _ = bn_errors(lambda: make_precise(fresh()), x64, dy64, dtype, CL)
+    assert precise <= 3 * contiguous, (precise, contiguous)
+
+@given(n=st.integers(1, 3), c=st.integers(1, 40), h=st.integers(1, 9), w=st.integers(2, 9),
+       affine=st.booleans(), track=st.booleans(), momentum=st.sampled_from([0.1, None]), training=st.booleans())
+@example(n=1, c=3, h=1, w=2, affine=False, track=True, momentum=None, training=True)
+def test_precise_bn_semantics_equal_fp64(n, c, h, w, affine, track, momentum, training):
+    "BatchNorm2d's semantics (affine, running statistics, momentum None, eval) in channels-last, against fp64 stock"
+    x64, dy64 = _batch((n, c, h, w), seed=c + 7 * h)
+    def fresh():
+        torch.manual_seed(2)
+        bn = nn.BatchNorm2d(c, affine=affine, track_running_stats=track, momentum=momentum)
+        if track: bn.running_mean.normal_(); bn.running_var.uniform_(.5, 2)
+        return bn.train(training)
+    # a gradient that cancels to nearly zero (two values per channel) is judged as stock contiguous fp32 does on it
+    contiguous, *_ = bn_errors(fresh, x64, dy64, torch.float32, torch.contiguous_format)
+    err, bn, ref = bn_errors(lambda: make_precise(fresh()), x64, dy64, torch.float32, CL)
+    assert err <= 3 * contiguous + 1e-6, (err, contiguous)
+    if track: assert bn.num_batches_tracked.item() == ref.num_batches_tracked.item()
+
+def test_premise_measured_and_guard_follows_it(tmp_path, monkeypatch):
+    "guard_model makes BNs precise exactly where this machine's stock channels-last BN measured imprecise; cached per machine"
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    guard._PREMISES_HERE.clear()
+    here = imprecise_cl_batch_norm()
+    assert here == (_bn_errors(CL) > 3 * _bn_errors(torch.contiguous_format))
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8))
+    guard_model(net)
+    assert type(net[2]) is (PreciseBatchNorm2d if here else nn.BatchNorm2d)
+    assert guard.MachineCache(guard.PREMISE_CACHE).get(IMPRECISE_CL_BATCH_NORM.name) == here
+    for held in (True, False):   # clfast's behaviour given either answer
+        guard._PREMISES_HERE[IMPRECISE_CL_BATCH_NORM.name] = held
+        guard_model(net)
+        assert type(net[2]) is (PreciseBatchNorm2d if held else nn.BatchNorm2d)
+    unguard_model(net)
+    assert type(net[2]) is nn.BatchNorm2d
+    guard._PREMISES_HERE.clear()
+
+def test_precise_bn_pickles_as_stock_and_falls_back():
+    "Pickles as BatchNorm2d / SyncBatchNorm; nchw, fp64 and inference calls run the stock forward"
+    bn = make_precise(nn.BatchNorm2d(4))
+    assert type(pickle.loads(pickle.dumps(bn))) is nn.BatchNorm2d and type(copy.deepcopy(bn)) is PreciseBatchNorm2d
+    sync = make_precise(nn.BatchNorm2d(4), sync=True)
+    assert type(sync) is PreciseSyncBatchNorm2d and isinstance(sync, nn.BatchNorm2d) and not isinstance(sync, nn.SyncBatchNorm)
+    loaded = pickle.loads(pickle.dumps(sync))
+    assert type(loaded) is nn.SyncBatchNorm and loaded.process_group is None
+    assert cpu_sync_capable(nn.BatchNorm2d(3)) and not cpu_sync_capable(nn.BatchNorm1d(3))
+    with pytest.raises(TypeError, match='BatchNorm2d'): make_precise(nn.BatchNorm1d(3))
+    x = torch.randn(2, 4, 5, 5)
+    for t in (x, x.double(), x.to(memory_format=CL)):
+        ref = nn.BatchNorm2d(4).to(t.dtype)
+        bn = make_precise(copy.deepcopy(ref)).eval(); ref.eval()
+        with torch.no_grad(): torch.testing.assert_close(bn(t), ref(t))

@@ -19,7 +19,7 @@ from .core import ClfastWarning
 from .machine import MachineCache
 
 # %% auto #0
-__all__ = ['FAST_ENOUGH', 'amp_mode_of', 'cpu_native_dtypes', 'measure_cpu_amp', 'cpu_amp_speed', 'resolve_amp',
+__all__ = ['FAST_ENOUGH', 'MAX_PAIRS', 'amp_mode_of', 'cpu_native_dtypes', 'measure_cpu_amp', 'cpu_amp_speed', 'resolve_amp',
            'cpu_fp32_fallbacks', 'MixedPrecision']
 
 # %% ../nbs/01_amp.ipynb #9bd0fd86
@@ -41,15 +41,18 @@ def cpu_native_dtypes() -> set:
     if torch.ops.mkldnn._is_mkldnn_fp16_supported(): res.add(torch.float16)
     return res
 
-# %% ../nbs/01_amp.ipynb #317dd81e
+# %% ../nbs/01_amp.ipynb #efe64057
 FAST_ENOUGH = 0.9   # a half precision is used on a CPU only if its probe step takes at most this fraction of fp32's
+MAX_PAIRS = 30      # the probe's most fp32/half pairs before it calls the two a tie
 _DTYPE_NAMES = {torch.bfloat16: 'bf16', torch.float16: 'fp16', torch.float32: 'fp32'}
 
 def _probe_net() -> tuple:
     with torch.random.fork_rng(devices=[]):   # the user's RNG stream is not touched
         torch.manual_seed(0)
-        layers = [m for _ in range(2) for m in (nn.Conv2d(32, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU())]
-        return nn.Sequential(*layers).to(memory_format=torch.channels_last), torch.randn(8, 32, 16, 16).to(memory_format=torch.channels_last)
+        chans = [(64, 64, 1), (64, 128, 2), (128, 128, 1), (128, 256, 2), (256, 256, 1)]
+        layers = [m for cin, cout, s in chans
+                  for m in (nn.Conv2d(cin, cout, 3, s, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())]
+        return nn.Sequential(*layers).to(memory_format=torch.channels_last), torch.randn(8, 64, 16, 16).to(memory_format=torch.channels_last)
 
 def _probe_step(net:nn.Module, x, dtype) -> float:
     "Seconds of one training step (forward + backward) of `net` under CPU autocast `dtype`"
@@ -58,34 +61,48 @@ def _probe_step(net:nn.Module, x, dtype) -> float:
     out.float().square().mean().backward()
     return time.perf_counter() - t0
 
-def measure_cpu_amp(dtype:torch.dtype, steps:int=3, give_up:float=20.) -> float:
-    "Time of the probe training step under CPU autocast `dtype` divided by fp32's (median of `steps` interleaved pairs)"
+def _sign_test(below:int, n:int) -> float:
+    "One-sided binomial tail: the chance of `below` or more of `n` fair coin flips landing one way"
+    return sum(math.comb(n, k) for k in range(below, n + 1)) / 2**n
+
+def measure_cpu_amp(dtype:torch.dtype, max_pairs:int=MAX_PAIRS, give_up:float=20.) -> dict:
+    "`{'ratio', 'pairs', 'decided'}`: the probe step's time under CPU autocast `dtype` over fp32's (median of alternating pairs, added until a sign test places it against `FAST_ENOUGH`)"
     net, x = _probe_net()
     t32, th = _probe_step(net, x, torch.float32), _probe_step(net, x, dtype)   # warm-up: oneDNN builds its kernels
-    if th > give_up * t32: return th / t32
-    pairs = [(_probe_step(net, x, torch.float32), _probe_step(net, x, dtype)) for _ in range(steps)]
-    return statistics.median(h for _,h in pairs) / statistics.median(f for f,_ in pairs)
+    if th > give_up * t32: return dict(ratio=th / t32, pairs=1, decided=True)
+    ratios = []
+    while len(ratios) < max_pairs:
+        order = (torch.float32, dtype) if len(ratios) % 2 == 0 else (dtype, torch.float32)
+        t = {d: _probe_step(net, x, d) for d in order}
+        ratios.append(t[dtype] / t[torch.float32])
+        below = sum(r <= FAST_ENOUGH for r in ratios)
+        if min(_sign_test(below, len(ratios)), _sign_test(len(ratios) - below, len(ratios))) <= 0.025: break
+    n, below = len(ratios), sum(r <= FAST_ENOUGH for r in ratios)
+    decided = min(_sign_test(below, n), _sign_test(n - below, n)) <= 0.025
+    return dict(ratio=statistics.median(ratios), pairs=n, decided=decided)
 
-# %% ../nbs/01_amp.ipynb #9d5190fa
+# %% ../nbs/01_amp.ipynb #e4d45e56
 def cpu_amp_speed(refresh:bool=False) -> dict:
-    "`{dtype: probe step time / fp32's}` for bf16 and fp16 on this CPU: measured where native (cached per machine), `inf` where emulated"
+    "`{dtype: probe step time / fp32's}` for bf16 and fp16 on this CPU: measured where native (cached per machine), `inf` where emulated, NaN where the probe could not tell it from fp32"
     cache, res = MachineCache('cpu_amp'), {}
     native = cpu_native_dtypes()
     for dtype in (torch.bfloat16, torch.float16):
         if dtype not in native: res[dtype] = math.inf; continue
-        name = _DTYPE_NAMES[dtype]
-        ratio = None if refresh else cache.get(name)
-        if ratio is None:
-            ratio = measure_cpu_amp(dtype)
-            cache.update({name: ratio})
-        res[dtype] = ratio
+        key = f"{_DTYPE_NAMES[dtype]}_step"   # earlier clfast cached a bare ratio of a tiny probe under the dtype's name
+        probe = None if refresh else cache.get(key)
+        if not isinstance(probe, dict):
+            probe = measure_cpu_amp(dtype)
+            cache.update({key: probe})
+        res[dtype] = probe['ratio'] if probe['decided'] else math.nan
     return res
 
-# %% ../nbs/01_amp.ipynb #58c799b5
+# %% ../nbs/01_amp.ipynb #dd580a9e
 def _cpu_why(dtype, speed) -> str:
     r = speed.get(dtype, math.inf)
     name = _DTYPE_NAMES[dtype]
     if math.isinf(r): return f"this CPU has no native {name} (oneDNN would emulate it, several times slower than fp32)"
+    if math.isnan(r): return (f"{name} is native on this CPU but clfast's probe could not tell its conv training step "
+                              f"from fp32's within this machine's noise ({MAX_PAIRS} pairs)")
     return f"{name} is native on this CPU but a conv training step measured {r:.3g}x fp32's time"
 
 def _cpu_choice(dtype, speed) -> torch.dtype:

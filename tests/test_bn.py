@@ -110,3 +110,28 @@ def test_precise_bn_pickles_as_stock_and_falls_back():
         ref = nn.BatchNorm2d(4).to(t.dtype)
         bn = make_precise(copy.deepcopy(ref)).eval(); ref.eval()
         with torch.no_grad(): torch.testing.assert_close(bn(t), ref(t))
+
+def _bench_precision():
+    import importlib.util, pathlib
+    path = pathlib.Path(__file__).parents[1]/'benchmarks'/'bench_precision.py'
+    spec = importlib.util.spec_from_file_location('bench_precision', path)
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
+
+@pytest.mark.parametrize('net', ['conv_bn_relu', 'conv_relu_bn', 'guard_stem1'])
+def test_training_step_as_precise_as_contiguous(net):
+    "One fastai step's gradients against fp64 (benchmarks/bench_precision.py, smaller): to_channelslast with fuse off, "
+    "'speed' and 'memory' within 3x of contiguous fp32's error (one thread: the stock kernels' sums are then reproducible)"
+    bench = _bench_precision()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        c, build = bench.NETS[net]
+        torch.manual_seed(0)
+        model = build()
+        size = 96 if net.startswith('guard') else 56
+        ref = bench.fp64_grads(model, c, size, 8)
+        err = {how: bench.grad_error(bench.step_grads(copy.deepcopy(model), c, size, 8, how), ref)
+               for how in ('contiguous', 'off', 'speed', 'memory')}
+    finally: torch.set_num_threads(threads)
+    assert all(e <= 3 * err['contiguous'] for e in err.values()), err

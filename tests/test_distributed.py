@@ -49,7 +49,8 @@ def _sync_worker(rank, init, out, mode, order, dtype, sizes, kernels, exchange):
     _init(rank, init)
     try:
         model = _net().to(dtype)
-        if order == 'fuse-first':   # fastai's order: ChannelsLast fuses in before_fit, then DistributedTrainer converts
+        if mode == 'off': model = nn.SyncBatchNorm.convert_sync_batchnorm(model)   # every BN unfused
+        elif order == 'fuse-first':   # fastai's order: ChannelsLast fuses in before_fit, then DistributedTrainer converts
             fuse_conv_bn(model, mode)
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         else:
@@ -72,10 +73,13 @@ def _rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm().cla
     ('speed', 'fuse-first', torch.float64, (11, 5), 'cpu', 'host'),   # uneven per-rank batches: weighted by counts
     ('memory', 'convert-first', torch.float64, (8, 8), 'cpu', 'msg'),  # statistics by gloo's messages
     ('speed', 'convert-first', torch.float32, (8, 8), 'cpu', 'host'),
-    ('memory', 'fuse-first', torch.float64, (11, 5), 'triton', 'host')])   # the Triton kernels, interpreted on the CPU
+    ('memory', 'fuse-first', torch.float64, (11, 5), 'triton', 'host'),   # the Triton kernels, interpreted on the CPU
+    ('off', 'convert-first', torch.float64, (11, 5), 'cpu', 'host'),     # not fused: clfast's precise SyncBatchNorm
+    ('off', 'convert-first', torch.float32, (8, 8), 'cpu', 'msg')])
 def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, sizes, kernels, exchange):
-    """2 ranks x B samples, fused and synchronized, train as one process on the same 2B samples (stock, fp64):
-    parameters and running statistics after 3 SGD steps; the ranks agree exactly; unfusing gives SyncBatchNorm back"""
+    """2 ranks x B samples, fused (or not: every BN a `clfast.bn` precise SyncBatchNorm, as PyTorch's has no CPU kernel)
+    and synchronized, train as one process on the same 2B samples (stock, fp64): parameters and running statistics
+    after 3 SGD steps; the ranks agree exactly; unfusing gives SyncBatchNorm back"""
     _spawn(_sync_worker, str(tmp_path/'init'), str(tmp_path), mode, order, dtype, sizes, kernels, exchange)
     ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(WORLD)]
     from clfast.exchange import STORES_IN_ORDER
@@ -92,6 +96,7 @@ def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, 
         if k.endswith('num_batches_tracked'): assert got.item() == want.item() == 3
         else: assert _rel(got, want) < tol, f"{k}: rel {_rel(got, want):.2e}"
     sync = {'BatchNorm2d': 'SyncBatchNorm', 'BatchNormAct2d': 'SyncBatchNormAct'}   # timm's converter's choice
+    if mode == 'off': sync = {k: f'Precise{v}' + ('2d' if v == 'SyncBatchNorm' else '') for k, v in sync.items()}
     assert sorted(ranks[0]['kinds']) == sorted(sync.get(type(m).__name__, type(m).__name__) for m in _net().modules())
 
 def _reinit_worker(rank, init):
@@ -130,19 +135,22 @@ def one_rank_gloo(tmp_path):
     yield
     dist.destroy_process_group()
 
-def test_unfused_bn_on_cpu_is_refused(one_rank_gloo):
-    "PyTorch's SyncBatchNorm cannot run on the CPU: a BN clfast cannot fuse is refused by name, before any change"
-    from clfast.fuse import fuse_conv_bn, fusion_report
+def test_unfused_bn_on_cpu_is_synchronized_by_clfast(one_rank_gloo, monkeypatch):
+    "PyTorch's SyncBatchNorm cannot run on the CPU: a BN clfast cannot fuse becomes clfast's precise SyncBatchNorm in "
+    "place; where that cannot run either (no C++ kernels), it is refused by name, before any change"
+    import clfast.fuse
+    from clfast.fuse import fuse_conv_bn
+    from clfast.bn import PreciseSyncBatchNorm2d
     m = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
     fuse_conv_bn(m)
     kinds = [type(a) for a in m.modules()]
+    monkeypatch.setattr(clfast.fuse, 'cpu_sync_capable', lambda bn: False)
     with pytest.raises(RuntimeError, match=r"would become.*: 0 \(BN's input is the module's input.*sync_bn=False"):
         nn.SyncBatchNorm.convert_sync_batchnorm(m)
     assert [type(a) for a in m.modules()] == kinds
-    assert fusion_report(m).unfused[0][0] == '0'
-    # converted first, then fused: the SyncBatchNorm left unfused is named when fusing ends
-    m = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)))
-    with pytest.raises(RuntimeError, match=r"1 BatchNorm layer\(s\) are torch.nn.SyncBatchNorm.*: 0 \("): fuse_conv_bn(m)
+    monkeypatch.undo()
+    assert nn.SyncBatchNorm.convert_sync_batchnorm(m) is m and type(m[0]) is PreciseSyncBatchNorm2d
+    assert m[0].process_group is None and not isinstance(m[0], nn.SyncBatchNorm)
 
 def test_standalone_fused_module_converts(one_rank_gloo):
     "A FusedConvBN2d built directly runs its child `bn`: converted in place, it synchronizes and unfolds to SyncBatchNorm"

@@ -8,7 +8,9 @@ from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat,
 import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import guard, check
 from clfast.guard import (KNOWN_BAD_KERNELS, GuardedConv2d, guard_conv_call, guard_model, unguard_model, guard_report,
-                          onednn_isa, bad_kernels_for, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD)
+                          onednn_isa, bad_kernels_for, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD,
+                          GuardPlan, IMPRECISE_CL_BATCH_NORM, short_input_slower, weight_grad_in_nchw)
+from clfast.bn import PreciseBatchNorm2d
 from clfast.fuse import fusion_report, unfuse_conv_bn
 from clfast.fused import FusedConvBN2d
 from clfast.audit import audit
@@ -90,7 +92,7 @@ def test_workarounds_equal_fp64(c):
     m64 = copy.deepcopy(m).double()
     fmt = torch.channels_last if c['cl'] else torch.contiguous_format
     m = m.to(memory_format=fmt); guard_model(m)
-    m.__class__, m.__dict__['_cl_guard'] = GuardedConv2d, (c['how'], True, 'test')   # whatever this CPU is
+    m.__class__, m.__dict__['_cl_guard'] = GuardedConv2d, GuardPlan(c['how'], True, 'test')   # whatever this CPU is
     x = torch.randn(c['n'], c['cin'], *c['hw'])
     x64, x32 = x.double().requires_grad_(), x.to(memory_format=fmt).requires_grad_()
     y, y64 = m(x32), m64(x64)
@@ -159,7 +161,9 @@ def test_no_cost_where_no_conv_is_affected():
     "A model without affected convs keeps everything but the class of convs that may meet a short input: no plan stored"
     from helpers import conv_net
     net = conv_net(3)
-    before = [(GuardedConv2d if type(m) is nn.Conv2d and may_meet_short_input(m) else type(m), dict(m.__dict__))
+    precise_bn = IMPRECISE_CL_BATCH_NORM.present()
+    before = [(GuardedConv2d if type(m) is nn.Conv2d and may_meet_short_input(m) else
+               PreciseBatchNorm2d if type(m) is nn.BatchNorm2d and precise_bn else type(m), dict(m.__dict__))
               for m in net.modules()]
     assert guard_model(net) == [] and guard_report(net) == []
     assert [(type(m), dict(m.__dict__)) for m in net.modules()] == before
@@ -175,26 +179,39 @@ def _weight_copies(conv, x) -> int:
     shape = list(conv.weight.shape)
     return sum(1 for e in p.events() if e.name == 'aten::copy_' and e.input_shapes and list(e.input_shapes[0]) == shape)
 
-def test_short_input_slow_path_is_still_there():
-    "The route's premise: stock channels-last conv backward copies the weight once more for an input shorter than the "
-    "kernel (and not in nchw). When a torch release drops that copy this fails: set SHORT_INPUT_WGRAD.torch_fixed."
-    conv = nn.Conv2d(384, 384, 3, padding=1, bias=False).to(memory_format=CL)
-    short, tall = (torch.randn(4, 384, h, 4).to(memory_format=CL).requires_grad_() for h in (2, 3))
-    assert _weight_copies(conv, short) == _weight_copies(conv, tall) + 1
-    nchw = copy.deepcopy(conv).to(memory_format=torch.contiguous_format)
-    assert _weight_copies(nchw, short.detach().contiguous().requires_grad_()) == 0
-    assert SHORT_INPUT_WGRAD.present() and not SHORT_INPUT_WGRAD.present('2.13.0')
+def test_short_input_premise_is_measured_and_the_route_follows_it(tmp_path, monkeypatch):
+    "The route's premise is measured here (stock channels-last against the weight gradient in nchw, paired), cached per "
+    "machine; a 3x3 conv that may meet a 2-row input is routed exactly where it held"
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    guard._PREMISES_HERE.clear()
+    here = SHORT_INPUT_WGRAD.present()
+    assert guard.MachineCache(guard.PREMISE_CACHE).get(SHORT_INPUT_WGRAD.name) == here
+    conv = nn.Conv2d(512, 512, 3, padding=1, bias=False)
+    x = torch.randn(4, 512, 2, 2).to(memory_format=CL).requires_grad_()
+    for held in (here, True, False):   # what was measured, and clfast's behaviour given either answer
+        guard._PREMISES_HERE[SHORT_INPUT_WGRAD.name] = held
+        m = copy.deepcopy(conv).to(memory_format=CL); guard_model(m)
+        assert (type(m) is GuardedConv2d) == held and (short_input_plan(m, x, m.weight) is not None) == held
+    guard._PREMISES_HERE.clear()
 
-@pytest.mark.parametrize('fuse', [None, 'speed', 'memory'])
-def test_short_input_route_acts_where_it_should_and_equals_fp64(fuse):
-    "resnet18 at 64 px in training: exactly layer4's 3x3 convs on 2x2 inputs are routed, stock or fused; each routed "
-    "conv, on the input it got, gives fp64's output and gradients (the fused layers' own path through the 'contiguous' "
-    "workaround: test_learner_gradients_equal_fp64); the audit lists them as guarded, not the route's own copies"
+def _saved_mib(model, x) -> float:
+    total = 0
+    def pack(t):
+        nonlocal total
+        total += t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): model(x)
+    return total / 2**20
+
+def test_short_input_route_equals_fp64_and_costs_no_memory(monkeypatch):
+    "resnet18 at 64 px in training, as where the slow path measured: exactly layer4's 3x3 convs on 2x2 inputs are "
+    "routed; each gives fp64's output and gradients; the audit lists them as guarded, not the route's own copies; the "
+    "model keeps <= 1.05x the saved activations of stock channels-last"
     import torchvision
-    from clfast.fuse import fuse_conv_bn
+    monkeypatch.setitem(guard._PREMISES_HERE, SHORT_INPUT_WGRAD.name, True)
     torch.manual_seed(0)
-    m = torchvision.models.resnet18(num_classes=10).to(memory_format=CL)
-    if fuse: fuse_conv_bn(m, fuse)
+    stock = torchvision.models.resnet18(num_classes=10).to(memory_format=CL)
+    m = copy.deepcopy(stock)
     guard_model(m)
     seen = {}
     hooks = [c.register_forward_pre_hook(lambda c, a, n=n: seen.update({n: a[0].detach()}) if short_input_plan(c, a[0], c.weight) else None)
@@ -207,7 +224,6 @@ def test_short_input_route_acts_where_it_should_and_equals_fp64(fuse):
     assert r.ok, r
     assert [n for n, *_ in r.guarded] == list(seen) and 'shorter than the dilated kernel' in str(r)
     assert audit(m, x, backward=False).ok
-    if fuse: return
     for name, xi in seen.items():
         conv = m.get_submodule(name); conv.weight.grad = None
         xi = xi.requires_grad_()
@@ -219,6 +235,10 @@ def test_short_input_route_acts_where_it_should_and_equals_fp64(fuse):
         out64.backward(dy)
         for a, b in ((out, out64), (xi.grad, x64.grad), (conv.weight.grad, w64.grad)):
             assert ((a.double() - b).abs().max() / b.abs().max()).item() < 1e-5, name
+        assert conv.weight.grad.is_contiguous(memory_format=CL)
+    xb = torch.randn(32, 3, 64, 64).to(memory_format=CL)
+    routed, plain = _saved_mib(m, xb), _saved_mib(stock, xb)
+    assert routed <= 1.05 * plain, (routed, plain)
 
 def test_unguardable_conv_warns():
     "An affected conv that is not a stock nn.Conv2d (nor fused) cannot be guarded: the warning says what to do"
@@ -288,7 +308,7 @@ def test_guard_under_autocast(fuse):
     ref = copy.deepcopy(learn.model).double()
     learn.to_channelslast(use_amp=False, fuse=fuse)
     stem = learn.model[0][0]
-    stem.__dict__['_cl_guard'] = ('subsample', True, 'test')   # whatever this CPU is
+    stem.__dict__['_cl_guard'] = GuardPlan('subsample', True, 'test')   # whatever this CPU is
     if type(stem) is nn.Conv2d: stem.__class__ = GuardedConv2d
     x = torch.randn(4, 3, 16, 16)
     learn.model.train(); ref.train()

@@ -130,6 +130,8 @@ std::mutex gemm_mutex;
 std::map<ShapeKey, bool> gemm_won;
 // cols(x) larger than this is not built: a temporary that big costs more in page faults than ATen's way
 constexpr int64_t kMaxColumnsBytes = int64_t(64) << 20;
+// rows of dy and cols(x) one fp32 GEMM of the weight gradient sums before the sum goes on in fp64
+constexpr int64_t kGemmBlockRows = 1024;
 
 Tensor rows(const Tensor& t) { return t.as_strided({t.numel() / t.size(1), t.size(1)}, {t.size(1), 1}); }
 
@@ -213,7 +215,24 @@ std::tuple<Tensor, Tensor, Tensor> gemm_way_backward(const Tensor& dy, const Ten
   if (nw) {
     dw = at::empty(w.sizes(), w.options().memory_format(at::MemoryFormat::ChannelsLast));
     Tensor dw2 = dw.as_strided({w.size(0), w.numel() / w.size(0)}, {w.numel() / w.size(0), 1});
-    at::mm_out(dw2, dyr.t(), columns(x, w, dy, g));
+    const Tensor cols = columns(x, w, dy, g);
+    const int64_t m = dyr.size(0);
+    if (m <= kGemmBlockRows || x.scalar_type() == at::kDouble) {
+      at::mm_out(dw2, dyr.t(), cols);
+    } else {
+      // A reduction over every output position in one fp32 GEMM loses what a thin conv before a training BN needs: its
+      // true weight gradient nearly cancels (BN makes the layer almost scale-invariant), and a 1-channel stem's came
+      // out 0.04 of the model's gradient scale from fp64 against contiguous ATen's 5e-4. So: fp32 GEMMs over blocks of
+      // rows, summed in fp64, as the BN kernels sum (bn_act.cpp)
+      Tensor total = at::zeros(dw2.sizes(), dw2.options().dtype(at::kDouble));
+      Tensor part = at::empty(dw2.sizes(), dw2.options());
+      for (int64_t r = 0; r < m; r += kGemmBlockRows) {
+        const int64_t len = std::min(kGemmBlockRows, m - r);
+        at::mm_out(part, dyr.narrow(0, r, len).t(), cols.narrow(0, r, len));
+        total.add_(part);
+      }
+      dw2.copy_(total);
+    }
   }
   if (nb && !db.defined()) db = dyr.sum(0);
   return {dx, dw, db};

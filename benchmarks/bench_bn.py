@@ -1,0 +1,56 @@
+"""The precise BatchNorm (clfast.bn) against stock channels-last BatchNorm on the CPU: one training forward + backward
+of a BatchNorm2d alone, paired, order alternating; prints the median of the per-pair time ratios (precise / stock).
+
+    python benchmarks/bench_bn.py [--rounds 15] [--dtypes float32 bfloat16]
+
+Shapes are the BN inputs of resnet50 and efficientnet_b0 at batch 8, 128 px (and one large early map). bf16 is the
+batch's dtype under CPU autocast (the BN's parameters stay fp32, as stock). Prints the CPU and thread count.
+"""
+import argparse, copy, statistics, time
+import torch
+from torch import nn
+from clfast.bn import make_precise
+from clfast.machine import cpu_name, machine_key
+
+SHAPES = [(8, 64, 64, 64), (8, 64, 32, 32), (8, 256, 32, 32), (8, 128, 16, 16), (8, 512, 16, 16), (8, 1024, 8, 8),
+          (8, 2048, 4, 4), (8, 32, 64, 64), (8, 96, 32, 32), (8, 144, 32, 32), (8, 240, 8, 8), (8, 672, 8, 8)]
+
+def _step(bn, x, dy):
+    def run():
+        x.grad = None
+        bn(x).backward(dy)
+    return run
+
+def paired(a, b, rounds):
+    "Median of time(b)/time(a) over `rounds` pairs, alternating which runs first, after a warm-up of each"
+    a(); b()
+    ratios = []
+    for i in range(rounds):
+        ts = {}
+        for name, f in ((('a', a), ('b', b)) if i % 2 == 0 else (('b', b), ('a', a))):
+            t0 = time.perf_counter(); f(); ts[name] = time.perf_counter() - t0
+        ratios.append(ts['b'] / ts['a'])
+    return statistics.median(ratios), ts['a']
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    p.add_argument('--rounds', type=int, default=15)
+    p.add_argument('--dtypes', nargs='+', default=['float32', 'bfloat16'])
+    a = p.parse_args(argv)
+    print(f"{cpu_name()}, {torch.get_num_threads()} threads; {machine_key()}")
+    print(f"{'shape':22s} {'dtype':9s} {'stock ms':>9s} {'precise/stock':>14s}")
+    ratios = {d: [] for d in a.dtypes}
+    for shape in SHAPES:
+        for dt in a.dtypes:
+            dtype = getattr(torch, dt)
+            x = torch.randn(shape).to(dtype).contiguous(memory_format=torch.channels_last).requires_grad_()
+            dy = torch.randn(shape).to(dtype).contiguous(memory_format=torch.channels_last)
+            stock = nn.BatchNorm2d(shape[1])
+            precise = make_precise(copy.deepcopy(stock))
+            r, t = paired(_step(stock, x, dy), _step(precise, x, dy), a.rounds)
+            ratios[dt].append(r)
+            print(f"{str(shape):22s} {dt:9s} {t * 1e3:9.2f} {r:13.2f}x", flush=True)
+    for dt, rs in ratios.items():
+        print(f"geomean {dt}: {statistics.geometric_mean(rs):.3f}x")
+
+if __name__ == '__main__': main()

@@ -56,9 +56,9 @@ def _act_of(code:int) -> Act:
     raise ValueError(f"unknown activation code {code}")
 
 
-def _unbiased(var:Tensor, n) -> Tensor:
-    "The running variance's estimate from the biased variance of `n` values (a number, or a tensor of counts)"
-    return var * (n / (n - 1).clamp(min=1) if isinstance(n, Tensor) else n / max(n - 1, 1))
+def _unbias_(var:Tensor, n) -> Tensor:
+    "Turn the biased variance of `n` values (a number, or a tensor of counts) into the running variance's estimate, in place"
+    return var.mul_(n / (n - 1).clamp(min=1) if isinstance(n, Tensor) else n / max(n - 1, 1))
 
 def ref_layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, stride, padding, dilation, groups, eps,
                   act, act_param, keep_y, y=None):
@@ -237,7 +237,7 @@ def _layer_fwd(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_weig
         y = _conv(x, weight, bias, stride, padding, dilation, groups).contiguous(memory_format=torch.channels_last)
         mean, var, n = _synced_stats(y, group, backend)
         out, y, params = backend.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *args, y)
-    params[4] = _unbiased(params[4], n)   # the batch variance the running average takes, once for every backend
+    _unbias_(params[4], n)   # the batch variance the running average takes, once for every backend (one op: this runs per layer and step)
     return out, y, params
 
 conv_bn_act_op = torch.library.custom_op("clfast::conv_bn_act", _layer_fwd, mutates_args=())

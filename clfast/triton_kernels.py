@@ -238,7 +238,7 @@ def _bwd_dx(g_ptr, x_ptr, mean_ptr, scale_ptr, shift_ptr, b_ptr, d_ptr, res_ptr,
         tl.store(dy_ptr + offs, dy.to(dy_ptr.dtype.element_ty), mask=mask)
     if WANT_DRES: tl.store(dres_ptr + offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
 
-# %% ../nbs/20_triton_kernels.ipynb #c01bf763
+# %% ../nbs/20_triton_kernels.ipynb #f4249d5e
 def _blocks(c:int):
     "Tile sizes `(BLOCK_M, BLOCK_C)` for `c` channels"
     bc = max(16, min(64, triton.next_power_of_2(c)))
@@ -257,12 +257,19 @@ def _on(x:Tensor):
     "Launch on `x`'s GPU (Triton launches on the current device)"
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
+_launch_hook = None   # None, or f(kernel, grid, args, meta) that every launch below is handed to instead (clfast.gpu_report)
+
+def _launch(kernel, grid:tuple, *args, **meta):
+    "`kernel[grid](*args, **meta)`; with `_launch_hook` set, the hook gets the launch instead (to count or record it)"
+    if _launch_hook is None: kernel[grid](*args, **meta)
+    else: _launch_hook(kernel, grid, args, meta)
+
 @functools.lru_cache(maxsize=64)
 def _consts(act_param:float, eps:float, dtype:torch.dtype, device:torch.device) -> Tensor:
     "`[act_param, eps]` in `dtype` on `device`, made once per value (kernel scalars would be rounded to fp32)"
     return torch.tensor([act_param, eps], dtype=dtype, device=device)
 
-# %% ../nbs/20_triton_kernels.ipynb #912e7c8b
+# %% ../nbs/20_triton_kernels.ipynb #b41d706d
 def stats(x:Tensor, mean:Tensor|None=None, var:Tensor|None=None) -> tuple[Tensor, Tensor]:
     "Per-channel (mean, biased var) of the `[M, C]` rows `x`, written into `mean`, `var` when given"
     m, c = x.shape
@@ -274,11 +281,11 @@ def stats(x:Tensor, mean:Tensor|None=None, var:Tensor|None=None) -> tuple[Tensor
     if mean is None: mean = torch.empty_like(shift)
     if var is None: var = torch.empty_like(shift)
     with _on(x):
-        _stats_partial[(p, triton.cdiv(c, bc))](x, shift, ps, pq, m, c, rows_per, BLOCK_M=bm, BLOCK_C=bc)
-        _stats_final[(triton.cdiv(c, bc),)](ps, pq, shift, mean, var, p, m, c, BLOCK_C=bc)
+        _launch(_stats_partial, (p, triton.cdiv(c, bc)), x, shift, ps, pq, m, c, rows_per, BLOCK_M=bm, BLOCK_C=bc)
+        _launch(_stats_final, (triton.cdiv(c, bc),), ps, pq, shift, mean, var, p, m, c, BLOCK_C=bc)
     return mean, var
 
-# %% ../nbs/20_triton_kernels.ipynb #681682d2
+# %% ../nbs/20_triton_kernels.ipynb #dcf2cff5
 def fwd(x:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int, act_param:float=0.,
         out:Tensor|None=None) -> Tensor:
     "`act(x*scale + shift [+ res])` on `[M, C]` rows, written into `out` when given"
@@ -287,11 +294,11 @@ def fwd(x:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int, act_para
     bm, bc = _blocks(c)
     k = _consts(float(act_param), 0., scale.dtype, x.device)
     with _on(x):
-        _fwd[(triton.cdiv(m, bm), triton.cdiv(c, bc))](x, scale, shift, x if res is None else res, k, out, m, c,
-                                                         HAS_RES=res is not None, ACT=int(act), BLOCK_M=bm, BLOCK_C=bc)
+        _launch(_fwd, (triton.cdiv(m, bm), triton.cdiv(c, bc)), x, scale, shift, x if res is None else res, k, out, m, c,
+                HAS_RES=res is not None, ACT=int(act), BLOCK_M=bm, BLOCK_C=bc)
     return out
 
-# %% ../nbs/20_triton_kernels.ipynb #9e0f7c99
+# %% ../nbs/20_triton_kernels.ipynb #ca98b2c0
 def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int,
         training:bool, want_dres:bool, act_param:float=0., out:Tensor|None=None, want_dy:bool=True,
         dy:Tensor|None=None, dres:Tensor|None=None, grad_means:Tensor|None=None, want_sums:bool=True):
@@ -314,19 +321,18 @@ def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift
     if want_dres and dres is None: dres = torch.empty_like(g)
     with _on(g):
         if grad_means is None or want_sums:
-            _bwd_partial[(p, triton.cdiv(c, bc))](g, xx, mean, scale, shift, r, o, k, ps, pq, m, c, rows_per,
-                                                  HAS_Y=has_y, HAS_RES=has_res, ACT=act, FROM_OUT=from_out,
-                                                  BLOCK_M=bm, BLOCK_C=bc)
-            _bwd_final[(triton.cdiv(c, bc),)](ps, pq, invstd, scale, sdz, sdx, b, d, p, m, c,
-                                              TRAINING=training, BLOCK_C=bc)
+            _launch(_bwd_partial, (p, triton.cdiv(c, bc)), g, xx, mean, scale, shift, r, o, k, ps, pq, m, c, rows_per,
+                    HAS_Y=has_y, HAS_RES=has_res, ACT=act, FROM_OUT=from_out, BLOCK_M=bm, BLOCK_C=bc)
+            _launch(_bwd_final, (triton.cdiv(c, bc),), ps, pq, invstd, scale, sdz, sdx, b, d, p, m, c,
+                    TRAINING=training, BLOCK_C=bc)
         if grad_means is not None and training:   # pass 2's coefficients from the given means (as _bwd_final's)
             b, d = -scale * invstd * grad_means[1], -scale * grad_means[0]
         if want_dy or want_dres:
             y_in_dx = training or (act != 0 and not from_out)
-            _bwd_dx[(triton.cdiv(m, bm), triton.cdiv(c, bc))](
-                g, xx, mean, scale, shift, b, d, r, o, k, dy if want_dy else g, dres if want_dres else g, m, c,
-                HAS_Y=y_in_dx, HAS_RES=has_res, ACT=act, FROM_OUT=from_out, TRAINING=training, WANT_DY=want_dy,
-                WANT_DRES=want_dres, BLOCK_M=bm, BLOCK_C=bc)
+            _launch(_bwd_dx, (triton.cdiv(m, bm), triton.cdiv(c, bc)), g, xx, mean, scale, shift, b, d, r, o, k,
+                    dy if want_dy else g, dres if want_dres else g, m, c,
+                    HAS_Y=y_in_dx, HAS_RES=has_res, ACT=act, FROM_OUT=from_out, TRAINING=training, WANT_DY=want_dy,
+                    WANT_DRES=want_dres, BLOCK_M=bm, BLOCK_C=bc)
     return (dy if want_dy else g.new_empty(0)), sdz, sdx, (dres if want_dres else g.new_empty(0))
 
 # %% ../nbs/20_triton_kernels.ipynb #504b98ce
@@ -354,7 +360,7 @@ def _conv(x, weight, bias, stride, padding, dilation, groups) -> Tensor:
                                    False, [0] * n, groups)
     return _cl(y)
 
-# %% ../nbs/20_triton_kernels.ipynb #dfe35db8
+# %% ../nbs/20_triton_kernels.ipynb #1760382a
 def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, bn_bias:Tensor|None,
               residual:Tensor|None, mean:Tensor|None, var:Tensor|None, stride, padding, dilation, groups:int,
               eps:float, act:int, act_param:float, keep_y:bool, y:Tensor|None=None) -> tuple[Tensor, Tensor, Tensor]:
@@ -368,9 +374,9 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
     k = _consts(float(act_param), float(eps), acc, y.device)
     bc = _blocks(c)[1]
     with _on(y):
-        _params[(triton.cdiv(c, bc),)](mean, var, prm if bn_weight is None else bn_weight.contiguous(),
-                                       prm if bn_bias is None else bn_bias.contiguous(), k, prm, c,
-                                       HAS_W=bn_weight is not None, HAS_B=bn_bias is not None, BLOCK_C=bc)
+        _launch(_params, (triton.cdiv(c, bc),), mean, var, prm if bn_weight is None else bn_weight.contiguous(),
+                prm if bn_bias is None else bn_bias.contiguous(), k, prm, c,
+                HAS_W=bn_weight is not None, HAS_B=bn_bias is not None, BLOCK_C=bc)
     out, orows = _empty_cl(y.shape, x.dtype, y.device)
     fwd(yr, prm[2], prm[3], None if residual is None else _rows(_cl(residual)), act, act_param, out=orows)
     return out, (y if keep_y else y.new_empty(0)), prm

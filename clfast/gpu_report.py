@@ -292,7 +292,7 @@ def serves(cc:int) -> bool:
     except Exception: return False
     return True
 
-# %% ../nbs/27_gpu_report.ipynb #d7da4ed1
+# %% ../nbs/27_gpu_report.ipynb #f922d574
 FULL_ARCHS, MODEL_ARCHS = (80, 90), (100,)
 
 @dataclass
@@ -325,8 +325,8 @@ def report_table(rep:Report) -> str:
     """The markdown table of `rep`: a row per kernel and arch, over its specializations (a memory-bound kernel's
     bytes in flight are its least, with the specialization that has them)"""
     lines = ["| kernel | arch | specializations | registers | shared memory | spills | blocks/SM | occupancy | "
-             "tile bytes/block | bytes in flight/SM (least) | needed (2x Little) | least in flight at |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tile bytes/block | bytes in flight/SM (least) | needed (2x Little) | meets | least in flight at |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cc in rep.archs:
         for name in KERNEL_ORDER:
             cs = [c for c in rep.compiled if c.spec.cc == cc and c.spec.name == name]
@@ -337,8 +337,9 @@ def report_table(rep:Report) -> str:
                          f"{_span([c.shared for c in cs], _kb)} | {sum(c.spills for c in cs)} | "
                          f"{_span([c.blocks for c in cs])} | {_span([c.occupancy for c in cs], lambda o: f'{o:.0%}')} | "
                          + (f"{_span([c.loads for c in mem], _kb)} | **{_kb(lo.in_flight)}** | "
-                            f"{_kb(bytes_needed(GPUS[cc]))} | {lo.spec.describe()}, {lo.regs} regs |" if lo else
-                            "- | - | - | per-channel vectors only |"))
+                            f"{_kb(bytes_needed(GPUS[cc]))} | {'yes' if lo.in_flight >= bytes_needed(GPUS[cc]) else 'no'} | "
+                            f"{lo.spec.describe()}, {lo.regs} regs |" if lo else
+                            "- | - | - | - | per-channel vectors only |"))
     return '\n'.join(lines)
 
 # %% ../nbs/27_gpu_report.ipynb #d76a88ce
@@ -443,13 +444,16 @@ def prediction_table(models=PREDICTED, cc:int=90) -> str:
                      f"**{t['speed']['speedup']:.2f}x** / {t['memory']['speedup']:.2f}x |")
     return '\n'.join(lines)
 
-# %% ../nbs/27_gpu_report.ipynb #64467bfc
+# %% ../nbs/27_gpu_report.ipynb #ae498719
 KERNELS_MD = Path(tk.__file__).parent / 'KERNELS.md'
 
 def _toolchain() -> str:
     import triton
     from triton import knobs
-    return f"triton {triton.__version__}, ptxas {knobs.nvidia.ptxas.version}, ptxas-blackwell {knobs.nvidia.ptxas_blackwell.version}"
+    def version(tool):
+        try: return tool.version
+        except Exception: return 'none'
+    return f"triton {triton.__version__}, ptxas {version(knobs.nvidia.ptxas)}, ptxas-blackwell {version(knobs.nvidia.ptxas_blackwell)}"
 
 def sections(rep:Report) -> dict[str, str]:
     "The generated sections of KERNELS.md: the compile table and the traffic model"

@@ -5,6 +5,8 @@ the pure-PyTorch reference backend vs stock conv + `F.batch_norm` + activation u
 EfficientNet-B0 layer shapes at batch 16, 160 px, fp32; prints times and ratios.
 CUDA (when a GPU is present): achieved bandwidth of each Triton kernel vs a measured device-to-device copy
 (`y.clone()`) on ResNet-50 activation shapes at batch 256, 224 px, bf16 and fp16.
+Then fused BN + ReLU (+ add) forward + backward vs stock (F.batch_norm, add, ReLU under autograd) on the same shapes,
+beside the stock / fused ratio `clfast.gpu_report`'s traffic model predicts.
 
 Run under the shared CPU lock:  flock /tmp/clfast-cpu.lock python benchmarks/bench_kernels.py [--device cpu|cuda]
 """
@@ -103,6 +105,47 @@ def bench_cuda(reps):
             print(f"{str(list(shape)):>22} {str(dtype)[6:]:>9} {copy_bw:10.0f} " +
                   ' '.join(f"{frac[k]:{max(7, len(k))}.2f}" for k in runs))
 
+def model_ratio(dtype, res):
+    "The traffic model's stock / fused bytes of BN + ReLU (+ add) forward + backward (clfast.gpu_report), or None"
+    try:
+        from clfast import gpu_report as gr
+        s = torch.finfo(dtype).bits // 8
+        fused = gr.fused_passes(gr.layer_step(dtype, 'relu', residual=res, grads=(True, True, res)), 'speed', s)
+        return gr._sum(gr.stock_passes('relu', res, s)) / gr._sum(fused)
+    except Exception as e:   # the model compiles offline with Triton internals another Triton may lack
+        print(f"  (traffic model unavailable: {type(e).__name__}: {e})")
+        return None
+
+def bench_cuda_vs_stock(reps):
+    """BN + ReLU (+ add), forward + backward with batch statistics: the Triton kernels' passes against stock
+    F.batch_norm, add and ReLU under autograd, beside the ratio the traffic model predicts (KERNELS.md)"""
+    from clfast import triton_kernels as tk
+    print(f"CUDA {torch.cuda.get_device_name()}: fused BN+ReLU(+add) forward+backward vs stock, ms and stock/fused")
+    print(f"{'shape':>22} {'dtype':>9} {'add':>4} {'fused':>8} {'stock':>8} {'ratio':>6} {'model':>6}")
+    for dtype in (torch.bfloat16, torch.float16):
+        for res in (False, True):
+            predicted = model_ratio(dtype, res)
+            for shape in CUDA_SHAPES:
+                y, w, b, r, g = make(shape, dtype, 'cuda', res)
+                x, xg, xr = ops.as_rows(y), ops.as_rows(g), (ops.as_rows(r) if res else None)
+                def fused():
+                    mean, var = tk.stats(x)
+                    invstd = (var + 1e-5).rsqrt()
+                    scale = invstd * w
+                    shift = b - mean * scale
+                    tk.fwd(x, scale, shift, xr, True)
+                    tk.bwd(xg, x, mean, invstd, scale, shift, xr, True, True, res)
+                ys, ws, bs = y.detach().requires_grad_(), w.detach().requires_grad_(), b.detach().requires_grad_()
+                rs = r.detach().requires_grad_() if res else None
+                def stock():
+                    z = F.batch_norm(ys, None, None, ws, bs, training=True)
+                    if res: z = z + rs
+                    # grad, not backward: no accumulation into .grad, which would add a pass per step
+                    torch.autograd.grad(F.relu(z, inplace=True), [ys, ws, bs] + ([rs] if res else []), g)
+                tf, ts = cuda_time(fused, reps), cuda_time(stock, reps)
+                print(f"{str(list(shape)):>22} {str(dtype)[6:]:>9} {'yes' if res else 'no':>4} {tf:8.3f} {ts:8.3f} "
+                      f"{ts / tf:6.2f} " + (f"{predicted:6.2f}" if predicted else f"{'-':>6}"))
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--device', choices=['cpu', 'cuda', 'all'], default='all')
@@ -112,7 +155,7 @@ def main(argv=None):
     if a.threads: torch.set_num_threads(a.threads)
     if a.device in ('cpu', 'all'): bench_cpu(a.reps)
     if a.device in ('cuda', 'all'):
-        if torch.cuda.is_available(): bench_cuda(a.reps)
+        if torch.cuda.is_available(): bench_cuda(a.reps); bench_cuda_vs_stock(a.reps)
         else: print("CUDA: no GPU here; the CUDA benchmark did not run (Triton kernel speed unverified)")
 
 if __name__ == '__main__': main()

@@ -37,10 +37,14 @@ def conv_geometry(conv:nn.Conv2d):
         pad = tuple(s//2 for s in span)
     return tuple(conv.stride), tuple(pad), tuple(conv.dilation), conv.groups
 
-# %% ../nbs/23_fused.ipynb #7e994efb
+# %% ../nbs/23_fused.ipynb #3dd9f40a
+def _autocast_on(dev:str) -> bool:
+    "Autocast is on for device type `dev` (never for one autocast does not know, such as 'meta': a shape-only run)"
+    return torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+
 def _autocast(x, weight, bias, residual):
     dev = x.device.type
-    if not torch.is_autocast_enabled(dev): return x, weight, bias, residual
+    if not _autocast_on(dev): return x, weight, bias, residual
     dt = torch.get_autocast_dtype(dev)
     cast = lambda t: t.to(dt) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
     return cast(x), cast(weight), cast(bias), cast(residual)
@@ -62,7 +66,7 @@ def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|Non
     # so does one whose input is too short for ATen's fast channels-last weight gradient (`short_input_plan`)
     args = (run, xc, w, geom[0], call_plan(conv, xc, w), res)
     dev = x.device.type
-    if not torch.is_autocast_enabled(dev): return guard_conv_call(*args)
+    if not _autocast_on(dev): return guard_conv_call(*args)
     with torch.autocast(dev, enabled=False): return guard_conv_call(*args)
 
 # %% ../nbs/23_fused.ipynb #3bba664d

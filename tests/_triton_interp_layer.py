@@ -66,3 +66,42 @@ def test_efficientnet_step():
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64).to(memory_format=torch.channels_last)
     _train_step_matches(lambda: timm.create_model('tinynet_e', num_classes=4).to(memory_format=torch.channels_last),
                         x, rtol=1e-5)
+
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+@pytest.mark.parametrize('act,res', [('relu', True), ('silu', False), ('none', False)])
+def test_launches_are_the_traffic_models(act, res, mode):
+    """The passes `clfast.gpu_report` counts in its traffic model (and compiles) are those a real step launches: an
+    interpreted fused layer's training step, launch counter on, launches the kernels, flags and order of the dry run"""
+    from clfast import gpu_report
+    torch.manual_seed(0)
+    f, _, _ = pair(8, 64, act=act, mode=mode)
+    x = torch.randn(2, 8, 8, 8).to(memory_format=torch.channels_last).requires_grad_()
+    r = torch.randn(2, 64, 8, 8).to(memory_format=torch.channels_last).requires_grad_() if res else None
+    with gpu_report.recording(phase='forward') as fwd: out = f(x, r)
+    with gpu_report.recording(phase='backward') as bwd: out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    dry = gpu_report.layer_step(torch.float32, act, residual=res, mode=mode, grads=(True, True, res))
+    assert [(l.phase, l.name, l.flags) for l in fwd + bwd] == [(l.phase, l.name, l.flags) for l in dry]
+    streams = [l.name for l in fwd + bwd if l.name in ('_stats_partial', '_fwd', '_bwd_partial', '_bwd_dx')]
+    assert streams == ['_stats_partial', '_fwd', '_bwd_partial', '_bwd_dx']   # 2 passes forward, 2 backward
+
+@pytest.mark.parametrize('act', ['none', 'silu'])
+def test_layer_without_conv(act):
+    "The conv-less layer (clfast.bn's precise BatchNorm, timm's BatchNormAct2d with its activation) on the Triton "
+    "backend: output, input and BN gradients, running statistics against stock fp64"
+    import timm.layers
+    from clfast.bn import make_precise
+    torch.manual_seed(0)
+    bn = timm.layers.BatchNormAct2d(6, act_layer=nn.SiLU) if act == 'silu' else nn.BatchNorm2d(6)
+    with torch.no_grad(): bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.5, 0.5)
+    ref = copy.deepcopy(bn).double()
+    make_precise(bn)
+    x = (torch.randn(2, 6, 5, 5) * 2 + 1).to(memory_format=torch.channels_last).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    dy = torch.randn(2, 6, 5, 5, dtype=torch.float64)
+    out, out64 = bn(x), ref(x64)
+    out.backward(dy.float().contiguous(memory_format=torch.channels_last)); out64.backward(dy)
+    rel = lambda a, b: ((a.double() - b).abs().max() / b.abs().max()).item()
+    for a, b in ((out, out64), (x.grad, x64.grad), (bn.weight.grad, ref.weight.grad), (bn.bias.grad, ref.bias.grad),
+                 (bn.running_mean, ref.running_mean), (bn.running_var, ref.running_var)):
+        assert rel(a, b) < 1e-4

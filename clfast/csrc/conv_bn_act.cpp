@@ -132,6 +132,9 @@ std::map<ShapeKey, bool> gemm_won;
 constexpr int64_t kMaxColumnsBytes = int64_t(64) << 20;
 // rows of dy and cols(x) one fp32 GEMM of the weight gradient sums before the sum goes on in fp64
 constexpr int64_t kGemmBlockRows = 1024;
+// cols(x) at most this wide (input channels x taps) is multiplied in fp64, kThinBlockRows rows at a time
+constexpr int64_t kThinColumns = 16;
+constexpr int64_t kThinBlockRows = 8192;
 
 Tensor rows(const Tensor& t) { return t.as_strided({t.numel() / t.size(1), t.size(1)}, {t.size(1), 1}); }
 
@@ -217,19 +220,27 @@ std::tuple<Tensor, Tensor, Tensor> gemm_way_backward(const Tensor& dy, const Ten
     Tensor dw2 = dw.as_strided({w.size(0), w.numel() / w.size(0)}, {w.numel() / w.size(0), 1});
     const Tensor cols = columns(x, w, dy, g);
     const int64_t m = dyr.size(0);
-    if (m <= kGemmBlockRows || x.scalar_type() == at::kDouble) {
+    // A reduction over every output position in one fp32 GEMM loses what a conv before a training BN needs: its true
+    // weight gradient nearly cancels (BN makes the layer almost scale-invariant), and a 1-channel stem's came out 0.04
+    // of the model's gradient scale from fp64 against contiguous ATen's 5e-4. So the sum over rows goes on in fp64:
+    // a thin input (few columns: the GEMM is cheap, the cancellation worst) is multiplied in fp64 block by block;
+    // otherwise fp32 GEMMs over blocks of rows are summed in fp64, as the BN kernels sum (bn_act.cpp)
+    const bool thin = cols.size(1) <= kThinColumns;
+    const int64_t block = thin ? kThinBlockRows : kGemmBlockRows;
+    if (x.scalar_type() == at::kDouble || (m <= block && !thin)) {
       at::mm_out(dw2, dyr.t(), cols);
     } else {
-      // A reduction over every output position in one fp32 GEMM loses what a thin conv before a training BN needs: its
-      // true weight gradient nearly cancels (BN makes the layer almost scale-invariant), and a 1-channel stem's came
-      // out 0.04 of the model's gradient scale from fp64 against contiguous ATen's 5e-4. So: fp32 GEMMs over blocks of
-      // rows, summed in fp64, as the BN kernels sum (bn_act.cpp)
       Tensor total = at::zeros(dw2.sizes(), dw2.options().dtype(at::kDouble));
-      Tensor part = at::empty(dw2.sizes(), dw2.options());
-      for (int64_t r = 0; r < m; r += kGemmBlockRows) {
-        const int64_t len = std::min(kGemmBlockRows, m - r);
-        at::mm_out(part, dyr.narrow(0, r, len).t(), cols.narrow(0, r, len));
-        total.add_(part);
+      Tensor part = thin ? Tensor() : at::empty(dw2.sizes(), dw2.options());
+      for (int64_t r = 0; r < m; r += block) {
+        const int64_t len = std::min(block, m - r);
+        const Tensor dyb = dyr.narrow(0, r, len).t(), colsb = cols.narrow(0, r, len);
+        if (thin) {
+          total.addmm_(dyb.to(at::kDouble), colsb.to(at::kDouble));
+        } else {
+          at::mm_out(part, dyb, colsb);
+          total.add_(part);
+        }
       }
       dw2.copy_(total);
     }

@@ -41,7 +41,7 @@ def cpu_native_dtypes() -> set:
     if torch.ops.mkldnn._is_mkldnn_fp16_supported(): res.add(torch.float16)
     return res
 
-# %% ../nbs/01_amp.ipynb #efe64057
+# %% ../nbs/01_amp.ipynb #b3d34d9f
 FAST_ENOUGH = 0.9   # a half precision is used on a CPU only if its probe step takes at most this fraction of fp32's
 MAX_PAIRS = 30      # the probe's most fp32/half pairs before it calls the two a tie
 _DTYPE_NAMES = {torch.bfloat16: 'bf16', torch.float16: 'fp16', torch.float32: 'fp32'}
@@ -70,6 +70,7 @@ def measure_cpu_amp(dtype:torch.dtype, max_pairs:int=MAX_PAIRS, give_up:float=20
     net, x = _probe_net()
     t32, th = _probe_step(net, x, torch.float32), _probe_step(net, x, dtype)   # warm-up: oneDNN builds its kernels
     if th > give_up * t32: return dict(ratio=th / t32, pairs=1, decided=True)
+    _probe_step(net, x, torch.float32); _probe_step(net, x, dtype)             # and the allocator its caches
     ratios = []
     while len(ratios) < max_pairs:
         order = (torch.float32, dtype) if len(ratios) % 2 == 0 else (dtype, torch.float32)

@@ -13,7 +13,7 @@ from .stock import AsStock
 from .act import act_of
 
 # %% auto #0
-__all__ = ['is_sync_bn', 'sync_group', 'bn_args', 'imprecise_cl_batch_norm', 'PreciseBatchNorm2d', 'PreciseSyncBatchNorm2d',
+__all__ = ['is_sync_bn', 'sync_group', 'bn_args', 'imprecise_cl_batch_norm', 'PreciseBatchNorm2d', 'PreciseSyncBatchNorm',
            'precise_class', 'is_precise', 'stock_class', 'can_be_precise', 'cpu_sync_capable', 'make_precise']
 
 # %% ../nbs/27_bn.ipynb #53634f49
@@ -51,7 +51,7 @@ def imprecise_cl_batch_norm() -> bool:
     "Whether stock channels-last CPU BatchNorm training is more than 3x less precise than contiguous here (a probe)"
     return _bn_errors(torch.channels_last) > 3 * _bn_errors(torch.contiguous_format)
 
-# %% ../nbs/27_bn.ipynb #73db7d88
+# %% ../nbs/27_bn.ipynb #a650fabe
 _HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 # by name: clfast does not import timm
 _BN_ACT, _SYNC_BN_ACT = 'timm.layers.norm_act.BatchNormAct2d', 'timm.layers.norm_act.SyncBatchNormAct'
@@ -59,8 +59,9 @@ def _qual(t:type) -> str: return f"{t.__module__}.{t.__qualname__}"
 
 def _runs_precise(bn:nn.Module, x:Tensor) -> bool:
     "Whether this call of `bn` takes clfast's op: synchronized statistics on the CPU, or ATen's channels-last CPU kernel would run and sum something"
-    if not (x.dim() == 4 and x.is_cpu and x.is_floating_point()) or kernel_backend('cpu') is REFERENCE: return False
-    if sync_group(bn) is not None: return True   # any layout: PyTorch's SyncBatchNorm has no CPU kernel
+    if not (x.is_cpu and x.is_floating_point()) or kernel_backend('cpu') is REFERENCE: return False
+    if sync_group(bn) is not None: return 2 <= x.dim() <= 4   # any layout: PyTorch's SyncBatchNorm has no CPU kernel
+    if x.dim() != 4: return False
     if x.dtype not in _HALF_OR_FLOAT: return False   # fp64 sums in fp64 either way
     if not x.is_contiguous(memory_format=torch.channels_last) or x.is_contiguous(): return False   # nchw, or ambiguous
     return bn.training or (torch.is_grad_enabled() and (x.requires_grad or (bn.weight is not None and bn.weight.requires_grad)))
@@ -102,6 +103,8 @@ class _PreciseBN(AsStock):
                                    f"batch is on {x.device}: convert the model with nn.SyncBatchNorm.convert_sync_batchnorm "
                                    "after moving it to its device")
             return super().forward(x)
+        if x.dim() < 4:   # a synchronized BatchNorm1d's [N, C] or [N, C, L]: the same per-channel statistics
+            return self.forward(x.reshape(*x.shape[:2], -1, 1)).reshape(x.shape)
         act, act_param = act_of(getattr(self, 'act', None))   # timm's BatchNormAct2d: its activation, in the same op
         args = bn_args(self)
         with torch.autocast('cpu', enabled=False):   # as stock BN under autocast: x's dtype, parameters as they are
@@ -116,11 +119,13 @@ class PreciseBatchNorm2d(_PreciseBN, nn.BatchNorm2d):
     "An `nn.BatchNorm2d` whose channels-last CPU training sums in fp64 partial sums (clfast's op); pickles as `nn.BatchNorm2d`"
     _stock_class = nn.BatchNorm2d
 
-class PreciseSyncBatchNorm2d(_PreciseBN, nn.BatchNorm2d):
-    "`nn.SyncBatchNorm`'s work on the CPU (statistics over every rank, fp64 partial sums); pickles as `nn.SyncBatchNorm`"
+class PreciseSyncBatchNorm(_PreciseBN, nn.BatchNorm2d):
+    "`nn.SyncBatchNorm`'s work on the CPU (statistics over every rank, fp64 partial sums; 2D to 4D input, as a converted BatchNorm1d or 2d sees); pickles as `nn.SyncBatchNorm`"
     _stock_class = nn.SyncBatchNorm
+    def _check_input_dim(self, x):
+        if not 2 <= x.dim() <= 4: raise ValueError(f"expected 2D, 3D or 4D input (got {x.dim()}D input)")
 
-_PRECISE = {nn.BatchNorm2d: PreciseBatchNorm2d, nn.SyncBatchNorm: PreciseSyncBatchNorm2d}
+_PRECISE = {nn.BatchNorm2d: PreciseBatchNorm2d, nn.SyncBatchNorm: PreciseSyncBatchNorm}
 
 def precise_class(stock:type) -> type|None:
     "The precise class standing in for the stock BN class `stock` (BatchNorm2d, SyncBatchNorm, timm's BatchNormAct2d, SyncBatchNormAct), else None"
@@ -137,24 +142,25 @@ def stock_class(bn:nn.Module) -> type:
     "The class `bn` stands for: its own, or the stock class of a precise BN"
     return bn._stock_class if is_precise(bn) else type(bn)
 
-def can_be_precise(bn:nn.Module) -> bool:
-    "Whether clfast's op can do the work of `bn`: a stock or precise BatchNorm2d / SyncBatchNorm, or timm's BatchNormAct2d / SyncBatchNormAct with a fusable activation and no drop"
+def can_be_precise(bn:nn.Module, sync:bool=False) -> bool:
+    "Whether clfast's op can do the work of `bn`: a stock or precise BatchNorm2d / SyncBatchNorm, or timm's BatchNormAct2d / SyncBatchNormAct with a fusable activation and no drop; synchronized (`sync`), a BatchNorm1d too"
+    if sync and type(bn) is nn.BatchNorm1d: return True
     if precise_class(stock_class(bn)) is None: return False
     return not hasattr(bn, 'act') or (act_of(bn.act) is not None and type(bn.drop) is nn.Identity)
 
 def cpu_sync_capable(bn:nn.Module) -> bool:
     "Whether clfast's precise BN can do the work of `bn` synchronized on the CPU (`can_be_precise`, and the C++ kernels load)"
-    return can_be_precise(bn) and kernel_backend('cpu') is not REFERENCE
+    return can_be_precise(bn, sync=True) and kernel_backend('cpu') is not REFERENCE
 
 def _sync_of(stock:type) -> type:
     "The synchronized class of a BN class, as the stock converters choose (timm's keeps the activation)"
     if issubclass(stock, nn.SyncBatchNorm): return stock
     return sys.modules['timm.layers.norm_act'].SyncBatchNormAct if _qual(stock) == _BN_ACT else nn.SyncBatchNorm
 
-# %% ../nbs/27_bn.ipynb #0fd3e752
+# %% ../nbs/27_bn.ipynb #b4377112
 def make_precise(bn:nn.Module, sync:bool=False, process_group=None) -> nn.Module:
     "Turn `bn` (see `can_be_precise`) into its precise class in place; `sync` makes it synchronize over `process_group` (None: the world)"
-    if not can_be_precise(bn):
+    if not can_be_precise(bn, sync):
         raise TypeError(f"{type(bn).__name__} cannot be made precise: clfast's op does the work of an nn.BatchNorm2d or "
                         "nn.SyncBatchNorm (or timm's BatchNormAct2d with a fusable activation and no drop)")
     stock = _sync_of(stock_class(bn)) if sync else stock_class(bn)

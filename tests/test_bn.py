@@ -6,7 +6,7 @@ from torch import nn
 import torch.nn.functional as F
 from hypothesis import given, example, strategies as st
 from clfast import guard
-from clfast.bn import (PreciseBatchNorm2d, PreciseSyncBatchNorm2d, make_precise, imprecise_cl_batch_norm, _bn_errors,
+from clfast.bn import (PreciseBatchNorm2d, PreciseSyncBatchNorm, make_precise, imprecise_cl_batch_norm, _bn_errors,
                        cpu_sync_capable)
 from clfast.guard import guard_model, unguard_model, IMPRECISE_CL_BATCH_NORM
 from clfast.ops import kernel_backend, REFERENCE
@@ -100,7 +100,7 @@ def test_precise_bn_pickles_as_stock_and_falls_back():
     bn = make_precise(nn.BatchNorm2d(4))
     assert type(pickle.loads(pickle.dumps(bn))) is nn.BatchNorm2d and type(copy.deepcopy(bn)) is PreciseBatchNorm2d
     sync = make_precise(nn.BatchNorm2d(4), sync=True)
-    assert type(sync) is PreciseSyncBatchNorm2d and isinstance(sync, nn.BatchNorm2d) and not isinstance(sync, nn.SyncBatchNorm)
+    assert type(sync) is PreciseSyncBatchNorm and isinstance(sync, nn.BatchNorm2d) and not isinstance(sync, nn.SyncBatchNorm)
     loaded = pickle.loads(pickle.dumps(sync))
     assert type(loaded) is nn.SyncBatchNorm and loaded.process_group is None
     assert cpu_sync_capable(nn.BatchNorm2d(3)) and not cpu_sync_capable(nn.BatchNorm1d(3))

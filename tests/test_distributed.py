@@ -18,16 +18,16 @@ def _init(rank:int, init:str):
     torch.set_num_threads(1)   # two ranks on two cores
 
 def _net() -> nn.Sequential:
-    "conv-BN-ReLU, torchvision's BasicBlock (fused with its add), timm's ConvNormAct (BatchNormAct2d with SiLU), a head"
+    "conv-BN-ReLU, torchvision's BasicBlock (fused with its add), timm's ConvNormAct (BatchNormAct2d with SiLU), a head with a BatchNorm1d (as fastai's)"
     import timm.layers, torchvision
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
                       torchvision.models.resnet.BasicBlock(8, 8),
                       timm.layers.ConvNormAct(8, 16, 3, stride=2, act_layer=nn.SiLU),
-                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 5))
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.BatchNorm1d(16), nn.Linear(16, 5))
     with torch.no_grad():
         for bn in m.modules():
-            if isinstance(bn, nn.BatchNorm2d): bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.5, 0.5)
+            if isinstance(bn, (nn.BatchNorm1d, nn.BatchNorm2d)): bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.5, 0.5)
     return m
 
 def _data(n:int=16):
@@ -96,7 +96,8 @@ def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, 
         if k.endswith('num_batches_tracked'): assert got.item() == want.item() == 3
         else: assert _rel(got, want) < tol, f"{k}: rel {_rel(got, want):.2e}"
     sync = {'BatchNorm2d': 'SyncBatchNorm', 'BatchNormAct2d': 'SyncBatchNormAct'}   # timm's converter's choice
-    if mode == 'off': sync = {k: f'Precise{v}' + ('2d' if v == 'SyncBatchNorm' else '') for k, v in sync.items()}
+    if mode == 'off': sync = {k: f'Precise{v}' for k, v in sync.items()}
+    sync['BatchNorm1d'] = 'PreciseSyncBatchNorm'   # never fused: clfast's SyncBatchNorm on the CPU in every mode
     assert sorted(ranks[0]['kinds']) == sorted(sync.get(type(m).__name__, type(m).__name__) for m in _net().modules())
 
 def _reinit_worker(rank, init):
@@ -140,7 +141,7 @@ def test_unfused_bn_on_cpu_is_synchronized_by_clfast(one_rank_gloo, monkeypatch)
     "place; where that cannot run either (no C++ kernels), it is refused by name, before any change"
     import clfast.fuse
     from clfast.fuse import fuse_conv_bn
-    from clfast.bn import PreciseSyncBatchNorm2d
+    from clfast.bn import PreciseSyncBatchNorm
     m = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
     fuse_conv_bn(m)
     kinds = [type(a) for a in m.modules()]
@@ -149,7 +150,7 @@ def test_unfused_bn_on_cpu_is_synchronized_by_clfast(one_rank_gloo, monkeypatch)
         nn.SyncBatchNorm.convert_sync_batchnorm(m)
     assert [type(a) for a in m.modules()] == kinds
     monkeypatch.undo()
-    assert nn.SyncBatchNorm.convert_sync_batchnorm(m) is m and type(m[0]) is PreciseSyncBatchNorm2d
+    assert nn.SyncBatchNorm.convert_sync_batchnorm(m) is m and type(m[0]) is PreciseSyncBatchNorm
     assert m[0].process_group is None and not isinstance(m[0], nn.SyncBatchNorm)
 
 def test_standalone_fused_module_converts(one_rank_gloo):

@@ -103,7 +103,7 @@ def test_precise_bn_pickles_as_stock_and_falls_back():
     assert type(sync) is PreciseSyncBatchNorm and isinstance(sync, nn.BatchNorm2d) and not isinstance(sync, nn.SyncBatchNorm)
     loaded = pickle.loads(pickle.dumps(sync))
     assert type(loaded) is nn.SyncBatchNorm and loaded.process_group is None
-    assert cpu_sync_capable(nn.BatchNorm2d(3)) and not cpu_sync_capable(nn.BatchNorm1d(3))
+    assert cpu_sync_capable(nn.BatchNorm2d(3)) and cpu_sync_capable(nn.BatchNorm1d(3)) and not cpu_sync_capable(nn.BatchNorm3d(3))
     with pytest.raises(TypeError, match='BatchNorm2d'): make_precise(nn.BatchNorm1d(3))
     x = torch.randn(2, 4, 5, 5)
     for t in (x, x.double(), x.to(memory_format=CL)):

@@ -34,7 +34,8 @@ def build_flags(level:str|None=None) -> list[str]:
     level = clfast_isa() if level is None else level
     if level not in CPU_LEVELS: raise ValueError(f"level must be one of {CPU_LEVELS}, got {level!r}")
     flags = ['-O3', '-fopenmp', '-DNDEBUG']
-    # -march=x86-64 first: the baseline, whatever the compiler's default (some distributions default above it)
+    # -march=x86-64 first: the baseline, whatever the compiler's default (some distributions default above it); the
+    # /proc/cpuinfo names of LEVEL_FLAGS are also GCC's and clang's -m options
     if is_x86(): flags += ['-march=x86-64'] + [f'-m{f}' for f in sorted(LEVEL_FLAGS[level])]
     return flags
 

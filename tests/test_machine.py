@@ -83,3 +83,23 @@ def test_bad_cap_stops_the_fused_layer():
     p = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
     assert p.returncode == 0 and 'RAISED' in p.stdout and 'generic, avx2, avx512' in p.stdout, p.stdout + p.stderr
+
+def _isa_matrix():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('isa_matrix', ROOT/'tools'/'isa_matrix.py')
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    return mod
+
+@pytest.mark.parametrize('flags,arch,runs,runs_all', [
+    (AVX512 | {'avx512_bf16', 'avx512_vnni'}, 'x86_64', ['generic', 'avx2'], ['generic', 'avx2', 'avx512-core']),
+    (AVX512, 'x86_64', ['generic', 'avx2'], ['generic', 'avx2']),            # Skylake-X: AVX512_CORE is its own
+    (AVX2, 'x86_64', ['generic'], ['generic']), ({'sse4_2'}, 'x86_64', [], []), (AVX512, 'aarch64', [], [])])
+def test_isa_matrix_runs_the_levels_below_the_host(host, monkeypatch, flags, arch, runs, runs_all):
+    "CI's matrix (tools/isa_matrix.py) derives its levels from the CPU, and names each one it cannot run"
+    m = _isa_matrix()
+    host(flags, arch)
+    monkeypatch.setattr(m, 'host_isa', machine.host_isa); monkeypatch.setattr(m, 'cpu_flags', machine.cpu_flags)
+    for extra, want in ((False, runs), (True, runs_all)):
+        run, skip = m.plan(extra)
+        assert [k['name'] for k in run] == want
+        assert sorted(k['name'] for k, why in skip) == sorted(set(k['name'] for k in m.KINDS) - set(want)) and all(w for _, w in skip)

@@ -31,7 +31,7 @@ def cpu_flags() -> frozenset:
     "The CPU's feature flags (/proc/cpuinfo), e.g. {'avx2', 'avx512_bf16', 'amx_tile', ...}; empty where unknown"
     return frozenset(_cpuinfo().get('flags', '').split())
 
-# %% ../nbs/04_machine.ipynb #7fa4215f
+# %% ../nbs/04_machine.ipynb #42e6b48a
 CPU_LEVELS = ('generic', 'avx2', 'avx512')   # clfast's kernel levels, lowest first (ATen's default, avx2, avx512)
 _AVX2 = frozenset({'avx', 'avx2', 'fma', 'f16c'})
 LEVEL_FLAGS = {'generic': frozenset(), 'avx2': _AVX2,           # /proc/cpuinfo flags a level's code may use
@@ -65,8 +65,10 @@ def clfast_isa() -> str:
                           f"(lowest first), or unset it for this CPU's level ({host})")
     if CPU_LEVELS.index(cap) <= CPU_LEVELS.index(host): return cap
     if cap not in _warned_caps:
+        from clfast.core import ClfastWarning   # here: clfast.core imports fastai, which the CPU probes need not
         _warned_caps.add(cap)
-        warnings.warn(f"{ISA_CAP_ENV}={raw} is above this CPU's level: clfast runs at the host's level {host}", stacklevel=2)
+        warnings.warn(f"{ISA_CAP_ENV}={raw} is above this CPU's level: clfast runs at the host's level {host}",
+                      ClfastWarning, stacklevel=2)
     return host
 
 # %% ../nbs/04_machine.ipynb #e8ed01dd

@@ -4,6 +4,7 @@ import os, subprocess, sys, textwrap, warnings
 from pathlib import Path
 import pytest
 from clfast import machine
+from clfast.core import ClfastWarning
 from clfast.machine import CPU_LEVELS, LEVEL_FLAGS, ISA_CAP_ENV, CpuIsaError, clfast_isa, machine_key
 
 ROOT = Path(__file__).parent.parent
@@ -55,7 +56,7 @@ def test_unknown_cap_is_an_error_listing_the_levels(host, monkeypatch, cap):
 def test_cap_above_the_host_runs_at_the_hosts_level_with_one_warning(host, monkeypatch):
     host(AVX2)
     monkeypatch.setenv(ISA_CAP_ENV, 'AVX512')
-    with pytest.warns(UserWarning, match="CLFAST_MAX_CPU_ISA=AVX512 is above this CPU's level: clfast runs at the host's level avx2"):
+    with pytest.warns(ClfastWarning, match="CLFAST_MAX_CPU_ISA=AVX512 is above this CPU's level: clfast runs at the host's level avx2"):
         assert clfast_isa() == 'avx2'
     with warnings.catch_warnings():
         warnings.simplefilter('error')

@@ -3,17 +3,25 @@
 //
 // Inside ATen the vec headers are compiled once per CPU capability (CPU_CAPABILITY_AVX2 / _AVX512 set per file by its
 // build); in this extension nothing sets them, and without them Vectorized is the generic array-of-scalars version
-// (its exp/erf/tanh are scalar std:: calls). So: when the compiler targets AVX2 with FMA and F16C (-march=native on
-// any AVX2 x86 CPU, AVX-512 ones included), use ATen's AVX2 specializations (8 floats, 4 doubles; exp/tanh from
-// Sleef, exported by libtorch_cpu, erf a polynomial). AVX-512 specializations are not enabled (untested here).
-// Elsewhere (a portable build, ARM): the generic version, still correct.
+// (its exp/erf/tanh are scalar std:: calls). So the capability follows what the compiler targets, which is clfast's
+// CPU level (clfast/machine.py: the build adds exactly that level's -m flags):
+//   avx512: AVX-512 F, BW, DQ and VL (what ATen's AVX-512 vectors use), with AVX2, FMA and F16C: 16 floats, 8 doubles
+//   avx2:   AVX2, FMA and F16C: 8 floats, 4 doubles
+//   generic (x86 baseline, or not x86): the generic version, still correct.
+// exp/tanh come from Sleef, exported by libtorch_cpu for both widths (Sleef_expf8_u10, Sleef_expf16_u10, ...); erf is
+// a polynomial. libtorch_cpu exports no at::vec symbol, so these inline functions cannot be resolved to ATen's own
+// copies, which are compiled for another capability.
 #pragma once
 #if defined(VECTOR_WIDTH) && !defined(CLFAST_SIMD_CAPABILITY_SET)
 #error "clfast simd.h must be included before ATen's vec headers (it picks their CPU capability)"
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(CPU_CAPABILITY_AVX2) && \
     !defined(CPU_CAPABILITY_AVX512)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#else
 #define CPU_CAPABILITY_AVX2
+#endif
 #endif
 #define CLFAST_SIMD_CAPABILITY_SET
 #include <ATen/OpMathType.h>
@@ -28,7 +36,10 @@ namespace clfast_cpu {
 namespace simd {
 using at::vec::Vectorized;
 
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+static_assert(Vectorized<float>::size() == 16 && Vectorized<double>::size() == 8, "AVX-512: 16 floats, 8 doubles");
+constexpr const char* kCapability = "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
 static_assert(Vectorized<float>::size() == 8 && Vectorized<double>::size() == 4, "AVX2: 8 floats, 4 doubles");
 constexpr const char* kCapability = "avx2";
 #else

@@ -8,10 +8,11 @@ made precise (what `to_channelslast()` trains with fuse off), in fp32 and under 
 Shapes are the BN inputs of resnet50 and efficientnet_b0 at batch 8, 128 px (and one large early map). bf16 is the
 batch's dtype under CPU autocast (the BN's parameters stay fp32, as stock). Prints the CPU and thread count.
 """
-import argparse, copy, statistics, time
+import argparse, copy, statistics
 import torch
 from torch import nn
 from clfast.bn import make_precise
+from clfast.guard import paired_ratio
 from clfast.machine import cpu_name, machine_key
 
 SHAPES = [(8, 64, 64, 64), (8, 64, 32, 32), (8, 256, 32, 32), (8, 128, 16, 16), (8, 512, 16, 16), (8, 1024, 8, 8),
@@ -22,17 +23,6 @@ def _step(bn, x, dy):
         x.grad = None
         bn(x).backward(dy)
     return run
-
-def paired(a, b, rounds):
-    "Median of time(b)/time(a) over `rounds` pairs, alternating which runs first, after a warm-up of each"
-    a(); b()
-    ratios = []
-    for i in range(rounds):
-        ts = {}
-        for name, f in ((('a', a), ('b', b)) if i % 2 == 0 else (('b', b), ('a', a))):
-            t0 = time.perf_counter(); f(); ts[name] = time.perf_counter() - t0
-        ratios.append(ts['b'] / ts['a'])
-    return statistics.median(ratios), ts['a']
 
 def model_steps(names, dtypes, rounds, bs=8, px=128):
     "Paired training steps of each timm model: stock channels-last vs its BNs precise (guard_model); ratio precise/stock"
@@ -51,7 +41,7 @@ def model_steps(names, dtypes, rounds, bs=8, px=128):
                     with torch.autocast('cpu', dtype=dtype, enabled=dtype != torch.float32): out = m(x)
                     out.float().sum().backward()
                 return run
-            r, t = paired(step(stock), step(precise), rounds)
+            r, t = paired_ratio(step(stock), step(precise), rounds)
             print(f"{name:22s} {dt:9s} {t * 1e3:9.1f} {r:13.3f}x", flush=True)
 
 def main(argv=None):
@@ -73,7 +63,7 @@ def main(argv=None):
             dy = torch.randn(shape).to(dtype).contiguous(memory_format=torch.channels_last)
             stock = nn.BatchNorm2d(shape[1])
             precise = make_precise(copy.deepcopy(stock))
-            r, t = paired(_step(stock, x, dy), _step(precise, x, dy), a.rounds)
+            r, t = paired_ratio(_step(stock, x, dy), _step(precise, x, dy), a.rounds)
             ratios[dt].append(r)
             print(f"{str(shape):22s} {dt:9s} {t * 1e3:9.2f} {r:13.2f}x", flush=True)
     for dt, rs in ratios.items():

@@ -19,9 +19,9 @@ from .bn import make_precise, imprecise_cl_batch_norm, can_be_precise, is_precis
 __all__ = ['KNOWN_BAD_KERNELS', 'PREMISE_CACHE', 'SHORT_INPUT_FASTER', 'SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT',
            'CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM', 'MEASURED_KERNELS', 'CHECK_TOLERANCE', 'BadKernel',
            'bad_kernels_for', 'GuardPlan', 'guard_acts', 'guard_conv_call', 'premise', 'forget_premises',
-           'MeasuredKernel', 'weight_grad_in_nchw', 'short_input_slower', 'may_meet_short_input', 'short_input_plan',
-           'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model', 'call_plan', 'short_input_route',
-           'guard_report', 'conv_numerics', 'check_worker']
+           'MeasuredKernel', 'weight_grad_in_nchw', 'paired_ratio', 'short_input_slower', 'may_meet_short_input',
+           'short_input_plan', 'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model', 'call_plan',
+           'short_input_route', 'guard_report', 'conv_numerics', 'check_worker']
 
 # %% ../nbs/05_guard.ipynb #f1cb003b
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def _holds(name:str, probe:Callable[[], bool]) -> bool:
     if name not in _PREMISES_HERE: _PREMISES_HERE[name] = premise(name, probe)
     return _PREMISES_HERE[name]
 
-# %% ../nbs/05_guard.ipynb #c972d0ec
+# %% ../nbs/05_guard.ipynb #1b488827
 @dataclass(frozen=True)
 class MeasuredKernel:
     "A stock kernel that is right but slow, or imprecise, on some CPUs; `probe()` measures whether it is so on this one"
@@ -152,16 +152,16 @@ def weight_grad_in_nchw(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|Non
     "`conv(x)` whose weight gradient runs in nchw (forward and input gradient as stock)"
     return _WeightGradInNchw.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
-def _paired_ratio(a:Callable, b:Callable, pairs:int=9) -> float:
-    "Median over `pairs` of time(b) / time(a), each pair run in alternating order after a warm-up of each"
+def paired_ratio(a:Callable, b:Callable, pairs:int=9) -> tuple[float, float]:
+    "`(median over `pairs` of time(b) / time(a), median time of a)`, each pair run in alternating order after a warm-up of each"
     a(); b()
-    ratios = []
+    ratios, times = [], []
     for i in range(pairs):
         ts = {}
         for name, f in ((('a', a), ('b', b)) if i % 2 == 0 else (('b', b), ('a', a))):
             t0 = time.perf_counter(); f(); ts[name] = time.perf_counter() - t0
-        ratios.append(ts['b'] / ts['a'])
-    return statistics.median(ratios)
+        ratios.append(ts['b'] / ts['a']); times.append(ts['a'])
+    return statistics.median(ratios), statistics.median(times)
 
 SHORT_INPUT_FASTER = 0.95   # the route is taken where its step measured at most this fraction of the stock one
 
@@ -172,8 +172,9 @@ def short_input_slower() -> bool:
         conv = nn.Conv2d(512, 512, 3, padding=1, bias=False).to(memory_format=torch.channels_last)
         x = torch.randn(8, 512, 2, 4).to(memory_format=torch.channels_last).requires_grad_()
     step = lambda f: lambda: f().sum().backward()
-    return _paired_ratio(step(lambda: nn.Conv2d._conv_forward(conv, x, conv.weight, None)),
-                         step(lambda: weight_grad_in_nchw(conv, x, conv.weight, None))) <= SHORT_INPUT_FASTER
+    ratio, _ = paired_ratio(step(lambda: nn.Conv2d._conv_forward(conv, x, conv.weight, None)),
+                            step(lambda: weight_grad_in_nchw(conv, x, conv.weight, None)))
+    return ratio <= SHORT_INPUT_FASTER
 
 SHORT_INPUT_WGRAD = MeasuredKernel(
     name='short_input_wgrad_slower',

@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from clfast.machine import CPU_LEVELS, cpu_flags, host_isa   # noqa: E402
 
-# The numerics tests: the C++ kernels, the fused layer, the op and its backends, the guard, the precision policy. Not
-# the Triton interpreter's (numpy, the same at every level) nor the cuda-marked ones.
+# The numerics tests: the C++ kernels, the fused layer, the op and its backends, the guard, the precision policy, the
+# precise BatchNorm (its premise is measured per level). Not the Triton interpreter's (numpy, the same at every level)
+# nor the cuda-marked ones.
 TESTS = ['tests/test_cpu_backend.py', 'tests/test_fused.py', 'tests/test_ops.py', 'tests/test_guard.py',
-         'tests/test_precision.py']
+         'tests/test_precision.py', 'tests/test_bn.py']
 DESELECT = 'not triton'
 
 # A CPU kind: clfast's level, ATen's capability, oneDNN's ISA cap, what oneDNN then says it runs (its verbose "isa:"

@@ -7,7 +7,8 @@ whole suite's run (tools/test.sh runs it after this). Exits 1 if any level fails
     python tools/isa_matrix.py            # every kind below this CPU's
     python tools/isa_matrix.py --list     # which would run, and which cannot here
 
-On the project's 2-core AVX-512 machine a kind took 2.5-4 minutes, plus 1.5 to build clfast's kernels at its level.
+On the project's 2-core AVX-512 machine a kind's tests took 1.5-4 minutes (with the machine's load), plus 1.5 to build
+clfast's kernels at its level.
 """
 import os, re, subprocess, sys, time
 from pathlib import Path

@@ -4,12 +4,11 @@ with clfast's, ATen's and oneDNN's caps set (CLFAST_MAX_CPU_ISA, ATEN_CPU_CAPABI
 levels come from this CPU's flags (clfast.machine), and the ones it cannot run are named. This CPU's own level is the
 whole suite's run (tools/test.sh runs it after this). Exits 1 if any level fails, after running them all.
 
-    python tools/isa_matrix.py            # every level below this CPU's where clfast's own code differs
-    python tools/isa_matrix.py --all      # and the extra kinds (only oneDNN capped: same clfast and ATen code)
+    python tools/isa_matrix.py            # every kind below this CPU's
     python tools/isa_matrix.py --list     # which would run, and which cannot here
 
-Each level costs CI about 4 minutes of tests plus 1.5 minutes building clfast's kernels for it (2 cores): hence the
-extra kinds only with --all (CLFAST_ISA_MATRIX=all bash tools/test.sh).
+On the project's 2-core AVX-512 machine a kind's tests took 1.5-4 minutes (with the machine's load), plus 1.5 to build
+clfast's kernels at its level.
 """
 import os, re, subprocess, sys, time
 from pathlib import Path
@@ -26,17 +25,16 @@ TESTS = ['tests/test_cpu_backend.py', 'tests/test_fused.py', 'tests/test_ops.py'
 DESELECT = 'not triton'
 
 # A CPU kind: clfast's level, ATen's capability, oneDNN's ISA cap, what oneDNN then says it runs (its verbose "isa:"
-# line), the features a CPU of this level needs beyond the level to run this kind below its own, and whether it runs
-# only with --all.
+# line), and the features a CPU of this level needs beyond the level to run this kind below its own.
 KINDS = [
-    dict(name='generic', clfast='generic', aten='default', onednn='SSE41', says='SSE4.1', beyond=set(), extra=False,
+    dict(name='generic', clfast='generic', aten='default', onednn='SSE41', says='SSE4.1', beyond=set(),
          cpus='x86-64 without AVX2'),
-    dict(name='avx2', clfast='avx2', aten='avx2', onednn='AVX2', says='AVX2', beyond=set(), extra=False,
+    dict(name='avx2', clfast='avx2', aten='avx2', onednn='AVX2', says='AVX2', beyond=set(),
          cpus='AVX2: Haswell to Alder Lake, Zen 1-3'),
-    # AVX-512 without VNNI/BF16: oneDNN's plain AVX-512 kernels, bf16 emulated; below any AVX-512 CPU that has more
+    # AVX-512 without VNNI/BF16: clfast's and ATen's AVX-512 code with oneDNN's plain AVX-512 kernels (bf16 emulated);
+    # below any AVX-512 CPU that has more
     dict(name='avx512-core', clfast='avx512', aten='avx512', onednn='AVX512_CORE', says='AVX512DQ extensions',
-         beyond={'avx512_vnni', 'avx512_bf16', 'avx512_fp16', 'amx_tile'}, extra=True,
-         cpus='AVX-512 without VNNI/BF16: Skylake-SP/X'),
+         beyond={'avx512_vnni', 'avx512_bf16', 'avx512_fp16', 'amx_tile'}, cpus='AVX-512 without VNNI/BF16: Skylake-SP/X'),
 ]
 
 PROBE = """
@@ -50,14 +48,13 @@ F.conv2d(x, torch.randn(16, 16, 3, 3).to(memory_format=torch.channels_last))   #
 def env_of(kind:dict) -> dict:
     return {'CLFAST_MAX_CPU_ISA': kind['clfast'], 'ATEN_CPU_CAPABILITY': kind['aten'], 'ONEDNN_MAX_CPU_ISA': kind['onednn']}
 
-def plan(extra:bool=False) -> tuple[list, list]:
+def plan() -> tuple[list, list]:
     "(kinds to run here, [(kind, why not)]): a kind runs when this CPU has its level and it is below this CPU's own"
     host, flags, run, skip = host_isa(), cpu_flags(), [], []
     for k in KINDS:
         lvl, top = CPU_LEVELS.index(k['clfast']), CPU_LEVELS.index(host)
         if lvl > top: skip.append((k, f"this CPU's level is {host}"))
         elif lvl == top and not (flags & k['beyond']): skip.append((k, "it is this CPU's own level (the whole suite runs it)"))
-        elif k['extra'] and not extra: skip.append((k, "only oneDNN capped (clfast's and ATen's code are this CPU's): with --all"))
         else: run.append(k)
     return run, skip
 
@@ -82,7 +79,7 @@ def run_kind(k:dict, env:dict) -> tuple[bool, str]:
     return False, '\n'.join(lines[start:]) + p.stderr[-3000:]
 
 def main(argv:list) -> int:
-    run, skip = plan('--all' in argv)
+    run, skip = plan()
     print(f"isa matrix: this CPU's level is {host_isa()}; below it this runs {', '.join(k['name'] for k in run) or 'nothing'}")
     for k, why in skip: print(f"isa matrix: not run here: {describe(k)}: {why}")
     if '--list' in argv: return 0

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # clfast's test command: installs what the tests need into .venv, checks that notebooks, library and README are in
 # sync (nbdev_export / nbdev_clean / tools/readme.py change nothing), runs the numerics tests at each instruction-set
-# level below this CPU's (tools/isa_matrix.py; CLFAST_ISA_MATRIX=0 skips it, =all adds the kinds where only oneDNN is
-# capped), then the whole pytest suite at this CPU's own level.
+# level below this CPU's (tools/isa_matrix.py; CLFAST_ISA_MATRIX=0 skips it), then the whole pytest suite at this
+# CPU's own level.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,8 +31,7 @@ echo "nbdev sync: notebooks, clfast/ and README.md are in sync"
 # before the suite, whose summary line must end the output; a failing level stops here, after all levels ran
 case "${CLFAST_ISA_MATRIX:-1}" in
   1) .venv/bin/python tools/isa_matrix.py ;;
-  all) .venv/bin/python tools/isa_matrix.py --all ;;
   0) ;;
-  *) echo "CLFAST_ISA_MATRIX=$CLFAST_ISA_MATRIX: use 1 (the default: the levels below this CPU's), all, or 0 (skip)"; exit 1 ;;
+  *) echo "CLFAST_ISA_MATRIX=$CLFAST_ISA_MATRIX: use 1 (the default: the levels below this CPU's) or 0 (skip them)"; exit 1 ;;
 esac
 exec .venv/bin/python -m pytest -q "$@"

@@ -381,7 +381,7 @@ std::tuple<Tensor, Tensor> batch_stats(const Tensor& y_in) {
   return {mean, var};
 }
 
-// What the kernels' vector loops were compiled for (simd.h): "avx2" or "generic", and the floats per vector
+// What the kernels' vector loops were compiled for (simd.h): "avx512", "avx2" or "generic", and the floats per vector
 std::tuple<std::string, int64_t> simd_info() {
   return {clfast_cpu::simd::kCapability, int64_t(at::vec::Vectorized<float>::size())};
 }

@@ -49,7 +49,7 @@ def ext_name(level:str|None=None) -> str:
     h.update(' '.join(build_flags(level)).encode()); h.update(torch.__version__.encode())
     return f"clfast_bn_act_{level}_{h.hexdigest()[:16]}"
 
-# %% ../nbs/22_cpu_kernels.ipynb #c11ecb51
+# %% ../nbs/22_cpu_kernels.ipynb #772d41e5
 _lock, _lib = threading.Lock(), None
 
 def _build(level:str, verbose:bool):
@@ -85,7 +85,9 @@ def load(verbose:bool=False) -> SimpleNamespace:
             _lib = Path(_lib) if _lib else None
             if fresh: _say(f"C++ CPU kernels compiled in {time.perf_counter() - t0:.0f} s")
     ops = torch.ops.clfast_cpu
-    return SimpleNamespace(layer_fwd=ops.layer_fwd, layer_bwd=ops.layer_bwd, batch_stats=ops.batch_stats)
+    # `step`: an eager layer's whole training step, autograd included, in C++ (clfast/csrc/layer_autograd.cpp)
+    return SimpleNamespace(layer_fwd=ops.layer_fwd, layer_bwd=ops.layer_bwd, batch_stats=ops.batch_stats,
+                           step=ops.conv_bn_act_step)
 
 # %% ../nbs/22_cpu_kernels.ipynb #1906ddb5
 GEMM_BACKWARD = ('conv', 'gemm', 'timed')

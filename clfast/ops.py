@@ -16,7 +16,7 @@ from .machine import CpuIsaError
 # %% auto #0
 __all__ = ['PARAM_ROWS', 'REFERENCE', 'conv_bn_act_op', 'conv_bn_act_backward_op', 'bn_update_running_op', 'as_rows', 'from_rows',
            'acc_dtype', 'ref_layer_fwd', 'ref_batch_stats', 'ref_layer_bwd', 'register_backend', 'kernel_backend',
-           'fused_conv_bn']
+           'cpu_step', 'fused_conv_bn']
 
 # %% ../nbs/21_ops.ipynb #7c1c64ea
 def as_rows(t:Tensor) -> Tensor:
@@ -325,11 +325,19 @@ def _backward(ctx, dout, _dy, _dparams):
 
 conv_bn_act_op.register_autograd(_backward, setup_context=_setup_context)
 
-# %% ../nbs/21_ops.ipynb #22b69bd9
+# %% ../nbs/21_ops.ipynb #8efcb557
 def _eager() -> bool:
     "True in plain eager mode: nothing traces (`torch.compile`, `export`, `jit.trace`), no dispatch or function mode is on"
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and not torch._C._is_torch_function_mode_enabled() and not torch.jit.is_tracing())
+
+def cpu_step() -> Optional[Callable]:
+    """In plain eager mode, a CPU layer's whole training step with its autograd in C++ (`clfast_cpu::conv_bn_act_step`,
+    `clfast/csrc/layer_autograd.cpp`), where the C++ kernels serve the CPU; else None (traced, or another backend).
+    Synchronized statistics are not its job: their collectives are Python's (`_synced_stats`).
+    It replaced a Python autograd.Function costing about 110 us per layer forward + backward (a BatchNorm at
+    efficientnet_b0's late shapes: more than its kernels)"""
+    return getattr(kernel_backend('cpu'), 'step', None) if _eager() else None
 
 def _body(op, *args):
     "The Python body of the custom op `op` called directly (in eager mode), shown under the op's name in a running profiler"
@@ -368,7 +376,7 @@ def _(running_mean, running_var, num_batches_tracked, params, momentum): return 
 
 _BODIES = {conv_bn_act_op: _layer_fwd, conv_bn_act_backward_op: _layer_bwd, bn_update_running_op: _update_running}
 
-# %% ../nbs/21_ops.ipynb #4ef06bd8
+# %% ../nbs/21_ops.ipynb #bfcffaab
 def _out_size(x:Tensor, weight:Optional[Tensor], stride, padding, dilation) -> list[int]:
     if weight is None: return list(x.shape)
     hw = [(n + 2*p - d*(k-1) - 1) // s + 1 for n, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
@@ -392,13 +400,18 @@ def fused_conv_bn(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_w
     if batch_stats and not group and size[0] * size[2] * size[3] == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size torch.Size({size})")
     if residual is not None and residual.dtype != x.dtype: residual = residual.to(x.dtype)
+    keep_y = keep_y and weight is not None   # without a conv, y is x: backward has it anyway (and an op's output may not alias its input)
+    eager = _eager()
+    if not group and x.is_cpu and (step := cpu_step()) is not None:
+        # the whole step in C++, autograd and running statistics included (the same formulas as this op's)
+        return step(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked,
+                    training, momentum, eps, list(stride), list(padding), list(dilation), groups, a.code,
+                    float(act_param), keep_y)
     mean = var = None
     if not batch_stats:  # copies, so that a later in-place update cannot invalidate what backward saved
         mean, var = running_mean.detach().clone(), running_var.detach().clone()
-    keep_y = keep_y and weight is not None   # without a conv, y is x: backward has it anyway (and an op's output may not alias its input)
     args = (x, weight, bias, bn_weight, bn_bias, residual, mean, var, list(stride), list(padding), list(dilation),
             groups, eps, a.code, float(act_param), keep_y, group)
-    eager = _eager()
     if not eager: out, _, params = conv_bn_act_op(*args)
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in args[:6]):
         out, _, params = _ConvBnAct.apply(*args)

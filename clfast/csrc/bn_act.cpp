@@ -1,8 +1,9 @@
 // CPU kernels for the elementwise/statistics half of a fused layer, act(bn(y) [+ residual]) (act: act.h).
 // Every tensor is read as a row-major [M, C] matrix: a contiguous [M, C] tensor, or the memory of a channels-last
 // N,C,H,W (or N,C,D,H,W) tensor. Loops run over rows in parallel (at::parallel_for) and over C innermost: the
-// normalize and backward loops explicitly vectorized (ATen's Vectorized, simd.h; act.h's formulas on vectors) with a
-// scalar tail of the same formulas, the statistics loop by the compiler. fp16/bf16 accumulate in fp32 blocks of rows that are summed in fp64; fp64 input
+// normalize and backward loops explicitly vectorized (ATen's Vectorized, simd.h; act.h's formulas on vectors), a row's
+// last step a partial vector (so every element takes the same formula), the statistics loop by the compiler.
+// fp16/bf16 accumulate in fp32 blocks of rows that are summed in fp64; fp64 input
 // accumulates in fp64. Per-channel arrays are in opmath (float; double for double tensors).
 // The kernels make no tensor-op calls (no dispatcher round trips): conv_bn_act.cpp runs a whole layer around them.
 // Each loop is instantiated per dtype, activation, mask kind and residual (the switches sit outside the loops).
@@ -13,6 +14,8 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <memory>
+#include <type_traits>
 #include <vector>
 #include "bn_act.h"
 
@@ -22,6 +25,10 @@ using clfast_cpu::Mask;
 using clfast_cpu::is_rows;
 namespace act = clfast_cpu::act;
 using clfast_cpu::simd::IO;
+// a*b + c written as one fused multiply-add: the compiler may contract a*b + c into one or not, differently in each
+// template instance, and z must round the same in forward and backward (a derivative read from out = act(z) is
+// exactly the recomputed one)
+using at::vec::fmadd;
 
 namespace {
 
@@ -95,36 +102,30 @@ void normalize_impl(const scalar_t* xp, int64_t m, int64_t c, const at::opmath_t
   using opmath_t = at::opmath_type<scalar_t>;
   using io = IO<scalar_t>;
   using Vo = typename io::Vo;
-  const opmath_t p = opmath_t(act_param);
-  const Vo pv(p);
+  const Vo pv{opmath_t(act_param)};
   at::parallel_for(0, m, row_grain(c), [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
       const scalar_t* __restrict__ xr = xp + r * c;
       const scalar_t* __restrict__ rr = R ? rp + r * c : nullptr;
       scalar_t* __restrict__ o = op + r * c;
-      int64_t j = 0;
-      for (; j + io::kStep <= c; j += io::kStep) {
-        typename io::Vs z = io::load(xr + j);
+      for (int64_t j = 0; j < c; j += io::kStep) {
+        const int64_t n = c - j;
+        typename io::Vs z = io::load(xr + j, n);
         typename io::Vs rv;
-        if constexpr (R) rv = io::load(rr + j);
+        if constexpr (R) rv = io::load(rr + j, n);
         for (int i = 0; i < io::kParts; ++i) {
-          z[i] = z[i] * io::chan(sc, j, i) + io::chan(sh, j, i);
+          z[i] = fmadd(z[i], io::chan(sc, j, i, n), io::chan(sh, j, i, n));
           if constexpr (R) z[i] = z[i] + rv[i];
           z[i] = act::f<A>(z[i], pv);
         }
-        io::store(o + j, z);
-      }
-      for (; j < c; ++j) {
-        opmath_t z = opmath_t(xr[j]) * sc[j] + sh[j];
-        if constexpr (R) z += opmath_t(rr[j]);
-        o[j] = scalar_t(act::f<A>(z, p));
+        io::store(o + j, z, n);
       }
     }
   });
 }
 
-// The gradient dz at element j of a row (`dz`), or at the vector step starting at j (`dzv`), the mask kind and
-// activation fixed at compile time
+// The gradient dz at the vector step starting at element j of a row, `n` elements left in the row (`dzv`), the mask
+// kind and activation fixed at compile time
 template <typename scalar_t, Mask M, int A, bool R>
 struct Rows {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -132,29 +133,18 @@ struct Rows {
   using Vo = typename io::Vo;
   const scalar_t *g, *x, *res, *out;
   const opmath_t *sc, *sh;
-  opmath_t p;
   Vo pv;
-  inline opmath_t dz(int64_t j) const {
-    const opmath_t gj = opmath_t(g[j]);
-    if constexpr (M == Mask::none) return gj;
-    else if constexpr (M == Mask::from_out) return act::grad_out<A>(gj, opmath_t(out[j]), p);
-    else {
-      opmath_t z = opmath_t(x[j]) * sc[j] + sh[j];
-      if constexpr (R) z += opmath_t(res[j]);
-      return act::grad<A>(gj, z, p);
-    }
-  }
-  inline typename io::Vs dzv(int64_t j) const {
-    typename io::Vs gv = io::load(g + j);
+  inline typename io::Vs dzv(int64_t j, int64_t n) const {
+    typename io::Vs gv = io::load(g + j, n);
     if constexpr (M == Mask::from_out) {
-      const typename io::Vs ov = io::load(out + j);
+      const typename io::Vs ov = io::load(out + j, n);
       for (int i = 0; i < io::kParts; ++i) gv[i] = act::grad_out<A>(gv[i], ov[i], pv);
     } else if constexpr (M == Mask::recompute) {
-      const typename io::Vs xv = io::load(x + j);
+      const typename io::Vs xv = io::load(x + j, n);
       typename io::Vs rv;
-      if constexpr (R) rv = io::load(res + j);
+      if constexpr (R) rv = io::load(res + j, n);
       for (int i = 0; i < io::kParts; ++i) {
-        Vo z = xv[i] * io::chan(sc, j, i) + io::chan(sh, j, i);
+        Vo z = fmadd(xv[i], io::chan(sc, j, i, n), io::chan(sh, j, i, n));
         if constexpr (R) z = z + rv[i];
         gv[i] = act::grad<A>(gv[i], z, pv);
       }
@@ -174,33 +164,38 @@ void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, c
   const opmath_t* __restrict__ is = static_cast<const opmath_t*>(a.invstd);
   const opmath_t* __restrict__ sc = static_cast<const opmath_t*>(a.scale);
   const opmath_t* __restrict__ sh = static_cast<const opmath_t*>(a.shift);
-  const opmath_t p = opmath_t(a.act_param);
   using io = IO<scalar_t>;
   using Vo = typename io::Vo;
-  const Vo pv(p);
+  const Vo pv{opmath_t(a.act_param)};
   auto row = [&](int64_t r) {
     const int64_t o = r * c;
-    return Rows<scalar_t, M, A, R>{gp + o, xp + o, rp ? rp + o : nullptr, op ? op + o : nullptr, sc, sh, p, pv};
+    return Rows<scalar_t, M, A, R>{gp + o, xp + o, rp ? rp + o : nullptr, op ? op + o : nullptr, sc, sh, pv};
   };
   const bool given_means = a.mean_dz && a.mean_dzx;
   const bool sums = (a.training && dyp && !given_means) || a.sum_dz || a.sum_dzx;
+  // With these activations dz costs an exp (erf, tanh) per element: pass 1 keeps it, in opmath, for pass 2 to read
+  // rather than compute again (the same values; 0.7-0.8x a bf16 BN+SiLU backward). For float, in dy's own memory.
+  constexpr bool kKeepDz = M == Mask::recompute && (A == act::kSilu || A == act::kGelu || A == act::kGeluTanh);
+  std::unique_ptr<opmath_t[]> kept_own;
+  opmath_t* kept = nullptr;
+  if (kKeepDz && sums && (dyp || drp)) {
+    if constexpr (std::is_same_v<scalar_t, opmath_t>) kept = dyp ? dyp : drp;
+    else { kept_own.reset(new opmath_t[m * c]); kept = kept_own.get(); }
+  }
   std::vector<double> s1(c, 0.0), s2(c, 0.0);
   if (sums)
     chunked_sums<opmath_t>(m, c, s1, s2, [&](int64_t r, opmath_t* __restrict__ ac, opmath_t* __restrict__ bc) {
       const auto rw = row(r);
-      int64_t j = 0;
-      for (; j + io::kStep <= c; j += io::kStep) {
-        const typename io::Vs g = rw.dzv(j), xv = io::load(rw.x + j);
+      for (int64_t j = 0; j < c; j += io::kStep) {
+        const int64_t n = c - j;
+        const typename io::Vs g = rw.dzv(j, n), xv = io::load(rw.x + j, n);
+        if constexpr (kKeepDz)
+          if (kept)
+            for (int i = 0; i < io::kParts; ++i) io::chan_store(kept + r * c, j, i, n, g[i]);
         for (int i = 0; i < io::kParts; ++i) {
-          opmath_t* __restrict__ aj = ac + j + i * io::kW;
-          opmath_t* __restrict__ bj = bc + j + i * io::kW;
-          (Vo::loadu(aj) + g[i]).store(aj);
-          (Vo::loadu(bj) + g[i] * (xv[i] - io::chan(mu, j, i))).store(bj);
+          io::chan_store(ac, j, i, n, io::chan(ac, j, i, n) + g[i]);
+          io::chan_store(bc, j, i, n, fmadd(g[i], xv[i] - io::chan(mu, j, i, n), io::chan(bc, j, i, n)));
         }
-      }
-      for (; j < c; ++j) {
-        const opmath_t g = rw.dz(j);
-        ac[j] += g; bc[j] += g * (opmath_t(rw.x[j]) - mu[j]);
       }
     });
   std::vector<opmath_t> B(c, opmath_t(0)), D(c, opmath_t(0));
@@ -227,29 +222,28 @@ void backward_impl(const scalar_t* gp, const scalar_t* xp, const scalar_t* rp, c
         const auto rw = row(r);
         scalar_t* __restrict__ o = Y ? dyp + r * c : nullptr;
         scalar_t* __restrict__ d = Dr ? drp + r * c : nullptr;
-        int64_t j = 0;
-        for (; j + io::kStep <= c; j += io::kStep) {
-          const typename io::Vs g = rw.dzv(j);  // dz once (it may cost an exp)
-          if constexpr (Dr) io::store(d + j, g);
+        for (int64_t j = 0; j < c; j += io::kStep) {
+          const int64_t n = c - j;
+          typename io::Vs g;  // dz once per element
+          if constexpr (kKeepDz) {
+            if (kept)
+              for (int i = 0; i < io::kParts; ++i) g[i] = io::chan(kept + r * c, j, i, n);
+            else g = rw.dzv(j, n);
+          } else {
+            g = rw.dzv(j, n);
+          }
+          if constexpr (Dr) io::store(d + j, g, n);
           if constexpr (Y) {
             typename io::Vs v;
             if constexpr (T) {
-              const typename io::Vs xv = io::load(rw.x + j);
+              const typename io::Vs xv = io::load(rw.x + j, n);
               for (int i = 0; i < io::kParts; ++i)
-                v[i] = g[i] * io::chan(sc, j, i) + (xv[i] - io::chan(mu, j, i)) * io::chan(Bp, j, i) +
-                       io::chan(Dp, j, i);
+                v[i] = fmadd(g[i], io::chan(sc, j, i, n),
+                             fmadd(xv[i] - io::chan(mu, j, i, n), io::chan(Bp, j, i, n), io::chan(Dp, j, i, n)));
             } else {
-              for (int i = 0; i < io::kParts; ++i) v[i] = g[i] * io::chan(sc, j, i);
+              for (int i = 0; i < io::kParts; ++i) v[i] = g[i] * io::chan(sc, j, i, n);
             }
-            io::store(o + j, v);
-          }
-        }
-        for (; j < c; ++j) {
-          const opmath_t g = rw.dz(j);
-          if constexpr (Dr) d[j] = scalar_t(g);
-          if constexpr (Y) {
-            if constexpr (T) o[j] = scalar_t(g * sc[j] + (opmath_t(rw.x[j]) - mu[j]) * Bp[j] + Dp[j]);
-            else o[j] = scalar_t(g * sc[j]);
+            io::store(o + j, v, n);
           }
         }
       }

@@ -22,6 +22,7 @@
 #include <tuple>
 #include <vector>
 #include "bn_act.h"
+#include "layer.h"
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
@@ -70,6 +71,10 @@ struct Guards {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
 };
 
+}  // namespace
+
+namespace clfast_cpu {
+
 std::tuple<Tensor, Tensor, Tensor> layer_fwd(
     const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& bn_weight, const OptTensor& bn_bias,
     const OptTensor& residual, const OptTensor& mean, const OptTensor& var, at::IntArrayRef stride,
@@ -111,6 +116,10 @@ std::tuple<Tensor, Tensor, Tensor> layer_fwd(
   clfast_cpu::normalize(y, c, pp + 2 * row, pp + 3 * row, res.defined() ? &res : nullptr, act, act_param, out);
   return {out, keep_y ? y : at::empty({0}, y.options()), params};
 }
+
+}  // namespace clfast_cpu
+
+namespace {
 
 // A conv's weight gradient is a matrix product: dW = dy^T cols(x), where cols(x) holds, for each output position, the
 // input values each tap of the kernel reads (im2col; for a 1x1 conv at stride 1 it is x's own rows, no copy). Over
@@ -310,6 +319,10 @@ std::tuple<Tensor, std::vector<std::string>> gemm_backward_choices() {
   return {t, dtypes};
 }
 
+}  // namespace
+
+namespace clfast_cpu {
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
     const Tensor& dout, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const Tensor& y_saved,
     const Tensor& params, const OptTensor& residual, const Tensor& out, at::IntArrayRef stride, at::IntArrayRef padding,
@@ -361,6 +374,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
           or_empty(dres, x)};
 }
 
+}  // namespace clfast_cpu
+
+namespace {
+
 // Per-channel (mean, biased variance) of a conv output, in the accumulation dtype: the statistics a synchronized
 // layer gathers from every rank before normalising (clfast/KERNELS.md)
 std::tuple<Tensor, Tensor> batch_stats(const Tensor& y_in) {
@@ -402,7 +419,7 @@ TORCH_LIBRARY(clfast_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(clfast_cpu, CPU, m) {
-  m.impl("layer_fwd", &layer_fwd);
-  m.impl("layer_bwd", &layer_bwd);
+  m.impl("layer_fwd", &clfast_cpu::layer_fwd);
+  m.impl("layer_bwd", &clfast_cpu::layer_bwd);
   m.impl("batch_stats", &batch_stats);
 }

@@ -3,7 +3,9 @@ of a BatchNorm2d alone, paired, order alternating; prints the median of the per-
 With --models, whole training steps of timm models instead: stock channels-last against the same model with its BNs
 made precise (what `to_channelslast()` trains with fuse off), in fp32 and under bf16 autocast.
 
-    python benchmarks/bench_bn.py [--rounds 15] [--dtypes float32 bfloat16] [--models resnet50 efficientnet_b0]
+    python benchmarks/bench_bn.py [--rounds 15] [--dtypes float32 bfloat16] [--models resnet50 efficientnet_b0] [--null]
+
+--null pairs each model with an unchanged copy of itself instead (the noise floor of the paired ratio).
 
 Shapes are the BN inputs of resnet50 and efficientnet_b0 at batch 8, 128 px (and one large early map). bf16 is the
 batch's dtype under CPU autocast (the BN's parameters stay fp32, as stock). Prints the CPU and thread count.
@@ -24,15 +26,15 @@ def _step(bn, x, dy):
         bn(x).backward(dy)
     return run
 
-def model_steps(names, dtypes, rounds, bs=8, px=128):
-    "Paired training steps of each timm model: stock channels-last vs its BNs precise (guard_model); ratio precise/stock"
+def model_steps(names, dtypes, rounds, bs=8, px=128, null=False):
+    "Paired training steps of each timm model: stock channels-last vs its BNs precise (guard_model; `null`: left stock); ratio precise/stock"
     import timm
     from clfast.guard import guard_model
     for name in names:
         torch.manual_seed(0)
         stock = timm.create_model(name, num_classes=10).to(memory_format=torch.channels_last)
         precise = copy.deepcopy(stock)
-        guard_model(precise)
+        if not null: guard_model(precise)
         x = torch.randn(bs, 3, px, px).contiguous(memory_format=torch.channels_last)
         for dt in dtypes:
             dtype = getattr(torch, dt)
@@ -49,11 +51,12 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, default=15)
     p.add_argument('--dtypes', nargs='+', default=['float32', 'bfloat16'])
     p.add_argument('--models', nargs='*', default=None, help="timm models: whole training steps instead of single BNs")
+    p.add_argument('--null', action='store_true', help="with --models: the 'precise' model left stock (the noise floor)")
     a = p.parse_args(argv)
     print(f"{cpu_name()}, {torch.get_num_threads()} threads; {machine_key()}")
     if a.models:
         print(f"{'model (batch 8, 128 px)':22s} {'dtype':9s} {'stock ms':>9s} {'precise/stock':>14s}")
-        return model_steps(a.models, a.dtypes, a.rounds)
+        return model_steps(a.models, a.dtypes, a.rounds, null=a.null)
     print(f"{'shape':22s} {'dtype':9s} {'stock ms':>9s} {'precise/stock':>14s}")
     ratios = {d: [] for d in a.dtypes}
     for shape in SHAPES:

@@ -190,16 +190,16 @@ def _check_scaler_kwargs(kwargs:dict) -> dict:
                             f"arguments to GradScaler, which takes {', '.join(_SCALER_ARGS)} (and `device`).")
     return kwargs
 
-# %% ../nbs/01_amp.ipynb #8ee78d8e
+# %% ../nbs/01_amp.ipynb #14c9153b
 @delegates(GradScaler)
 class MixedPrecision(Callback):
     "Mixed precision training with PyTorch AMP on CUDA, CPU and MPS; same arguments as fastai's `MixedPrecision`"
     order = 10
     def __init__(self,
         amp_mode:str|AMPMode=AMPMode.FP16, # Mixed Precision training mode. Supports fp16 and bf16.
-        device:str|torch.device|None=None, # Device to autocast on; default: where the `DataLoaders` put the batches
-        **kwargs # `GradScaler` arguments
+        **kwargs # `GradScaler` arguments, and `device` (as fastai's): where to autocast; unless given, where the `DataLoaders` put the batches
     ):
+        device = kwargs.pop('device', None)
         self.amp_mode, self.kwargs = amp_mode_of(amp_mode), _check_scaler_kwargs(kwargs)
         self.device_arg = None if device is None else torch.device(device)
         self.dtype, self.autocast, self.fp32_ops = None, None, []
@@ -267,14 +267,14 @@ def one_batch(self:Learner, i, b):
             if isinstance(cb, MixedPrecision): cb.interrupted()
         raise
 
-# %% ../nbs/01_amp.ipynb #b75b0c81
+# %% ../nbs/01_amp.ipynb #432fb6fb
 import fastai.callback.fp16 as _fastai_fp16
 
 def _amp_cbs(learn) -> list:
     return [cb for cb in learn.cbs if isinstance(cb, (MixedPrecision, _fastai_fp16.MixedPrecision))]
 
 @patch
-@delegates(MixedPrecision)
+@delegates(GradScaler)
 def to_fp16(self:Learner, **kwargs):
     "Set `Learner` to float16 mixed precision using PyTorch AMP (on CPUs where fp16 is slow, the fastest of bf16 and fp32)"
     mp = MixedPrecision(**kwargs)   # arguments checked before anything changes

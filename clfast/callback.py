@@ -44,13 +44,14 @@ def _fuse(model:nn.Module, mode:str):
         warnings.warn(f"fuse={mode!r} fused nothing in this model{why}; `fusion_report(learn.model)` lists every reason.",
                       ClfastWarning, stacklevel=3)
 
-# %% ../nbs/02_callback.ipynb #daddb7fe
+# %% ../nbs/02_callback.ipynb #56431ded
 _OWN_EVENTS = ('before_fit', 'before_validate', 'before_batch')
 
+@fastai_signature(fastai_cl.ChannelsLast)
 class ChannelsLast(Callback):
     "Channels-last training: the model and every batch's 4D/5D image tensors in `channels_last`(`_3d`)"
     order = -1   # as fastai's: before model-wrapping callbacks (DistributedTrainer is 11) and MixedPrecision (10)
-    def __init__(self,
+    def __init__(self, *,
         fuse:str|bool=False, # Fuse conv-BN(-ReLU)(+add) blocks: 'speed', 'memory' or False
         **events # fastai event functions (`after_fit=fn`); one for an event ChannelsLast uses runs after its own work
     ):
@@ -89,25 +90,20 @@ class ChannelsLast(Callback):
 # %% ../nbs/02_callback.ipynb #32725359
 def _find_cbs(learn, *types): return [cb for cb in learn.cbs if type(cb) in types]
 
-# %% ../nbs/02_callback.ipynb #d4c36079
-class _DefaultAMP(str):
-    "fastai's default `amp_mode` ('fp16'), told apart from an explicit one: an attached `MixedPrecision` is then kept"
-    def __repr__(self): return 'AMPMode.FP16'
-_DEFAULT_AMP = _DefaultAMP(AMPMode.FP16.value)
-
-# %% ../nbs/02_callback.ipynb #f02e6fa1
+# %% ../nbs/02_callback.ipynb #a2c6b31e
 @patch
-@delegates(GradScaler)
+@fastai_signature(Learner.to_channelslast, also=GradScaler)   # fastai's: this patch replaces it just after
 def to_channelslast(self:Learner,
     use_amp:bool=True, # Add `MixedPrecision` with `amp_mode`. Recommended for full channels last performance
-    amp_mode:str|AMPMode=_DEFAULT_AMP, # Mixed Precision training mode. Supports fp16 and bf16.
+    amp_mode:str|AMPMode|None=None, # Mixed Precision training mode, fp16 (shown: fastai's default) or bf16; not given, an attached `MixedPrecision` is kept
     *,
     fuse:str|bool=False, # Fuse conv-BN(-ReLU)(+add) blocks: 'speed', 'memory' or False (unfuses a fused model)
     auto:bool=False, # Measure this model on its batches (`format_find`) and apply the fastest setup that trains the same
     **kwargs
 ):
     "Set `Learner` and inputs to `channels_last` format and float16 Mixed Precision by default"
-    explicit = amp_mode is not _DEFAULT_AMP or bool(kwargs)
+    explicit = amp_mode is not None or bool(kwargs)
+    if amp_mode is None: amp_mode = AMPMode.FP16
     if auto:
         if explicit or fuse is not False or not use_amp:
             raise ValueError("to_channelslast(auto=True) chooses the format, precision and fuse mode itself: drop "

@@ -11,12 +11,28 @@ from fastai.torch_core import apply
 import math
 
 # %% auto #0
-__all__ = ['ClfastWarning', 'cl_format', 'is_ambiguous', 'is_channels_last', 'is_image_tensor', 'to_channels_last',
-           'to_contiguous_format', 'model_to', 'opt_state_to', 'has_conv']
+__all__ = ['ClfastWarning', 'fastai_signature', 'cl_format', 'is_ambiguous', 'is_channels_last', 'is_image_tensor',
+           'to_channels_last', 'to_contiguous_format', 'model_to', 'opt_state_to', 'has_conv']
 
 # %% ../nbs/00_core.ipynb #cba6e088
 class ClfastWarning(UserWarning):
     "Warnings from clfast's policy (precision fallbacks, formats that change nothing), so they can be filtered as one"
+
+# %% ../nbs/00_core.ipynb #8e85415b
+import inspect
+
+def fastai_signature(fastai_fn, also=None):
+    "Decorator: the signature of `fastai_fn`, then `f`'s own keyword-only parameters, then `also`'s keyword parameters not yet named"
+    def _apply(f):
+        params = list(inspect.signature(fastai_fn).parameters.values())
+        own = inspect.signature(f.__init__ if isinstance(f, type) else f)   # a class: its __init__'s (fastai's Callback hides the class's)
+        extra = [p for p in own.parameters.values() if p.kind == p.KEYWORD_ONLY]
+        if also is not None: extra += [p for p in inspect.signature(also).parameters.values() if p.default is not p.empty]
+        for p in extra:
+            if p.name not in {q.name for q in params}: params.append(p.replace(kind=p.KEYWORD_ONLY))
+        f.__signature__ = inspect.Signature(params)
+        return f
+    return _apply
 
 # %% ../nbs/00_core.ipynb #28be3849
 def cl_format(t:Tensor):

@@ -212,3 +212,38 @@ def test_callback_fuse_argument_and_bad_fuse():
     assert not is_fused(learn2.model) and not hasattr(learn2, 'channels_last')
     learn.to_channelslast(fuse=False)
     assert not is_fused(learn.model)
+
+import inspect, json, subprocess, sys
+
+NAMES = ['to_fp16', 'to_bf16', 'to_fp32', 'to_channelslast', 'to_contiguous', 'export', 'MixedPrecision', 'ChannelsLast']
+FASTAI_SIGNATURES = """
+import inspect, json
+from fastai.vision.all import Learner, MixedPrecision, ChannelsLast
+objs = {n: getattr(Learner, n, None) for n in NAMES}
+objs.update(MixedPrecision=MixedPrecision, ChannelsLast=ChannelsLast)
+print(json.dumps({n: [(p.name, int(p.kind), repr(p.default)) for p in inspect.signature(o).parameters.values()] for n, o in objs.items()}))
+"""
+
+def _params(obj): return [(p.name, int(p.kind), repr(p.default)) for p in inspect.signature(obj).parameters.values()]
+
+def test_signatures_are_fastais_then_extras():
+    """Every fastai parameter with its name, kind and default, in fastai's order; clfast's extras only after, keyword-only.
+    fastai's signatures come from stock fastai in another process (clfast's import replaces fastai's methods)"""
+    code = f"NAMES = {NAMES!r}\n" + FASTAI_SIGNATURES
+    fastai = json.loads(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout)
+    ours = {n: getattr(Learner, n) for n in NAMES[:6]}
+    ours.update(MixedPrecision=MixedPrecision, ChannelsLast=ChannelsLast)
+    for name in NAMES:
+        mine, theirs = _params(ours[name]), [tuple(p) for p in fastai[name]]
+        assert mine[:len(theirs)] == theirs, (name, mine, theirs)
+        assert all(kind == inspect.Parameter.KEYWORD_ONLY for _, kind, _ in mine[len(theirs):]), (name, mine)
+def test_fastai_arguments_are_taken():
+    "What the signatures show is what the calls take: GradScaler's arguments reach the scaler, events their callback"
+    learn = tiny_learner().to_channelslast(init_scale=1024., growth_interval=7, fuse=False)
+    assert learn.mixed_precision.kwargs == dict(init_scale=1024., growth_interval=7)
+    assert tiny_learner().to_fp16(init_scale=8.).mixed_precision.kwargs == dict(init_scale=8.)
+    seen = []
+    learn = tiny_learner(cbs=ChannelsLast(after_fit=lambda cb: seen.append(type(cb).__name__), fuse=False))
+    learn.fit(1)
+    assert seen == ['ChannelsLast']
+    with pytest.raises(TypeError): ChannelsLast('speed')   # fuse is keyword-only, as fastai's callback takes no positional

@@ -13,7 +13,7 @@ from torch import nn, Tensor
 # %% auto #0
 __all__ = ['A', 'ACTS', 'Act', 'act_of', 'act_module', 'get_act']
 
-# %% ../nbs/19_act.ipynb #0eb8ac0c
+# %% ../nbs/19_act.ipynb #6e9c3408
 @dataclass(frozen=True)
 class Act:
     "One fusable activation: `code` for the kernels, `fn(z, p)` and `grad(dout, z, p)` the reference (stock ops)"
@@ -23,20 +23,40 @@ class Act:
     grad: Callable[[Tensor, Tensor, float], Tensor]
     grad_from_out: Callable[[float], bool] = lambda p: False
     module: Callable[[float], nn.Module] = nn.Identity   # the stock module that computes it (for unfusing)
+    # (act(+inf), act(-inf), act'(+inf), act'(-inf)): the mathematical limits, what the kernels give at +-inf
+    at_inf: Callable[[float], tuple[float, float, float, float]] = lambda p: (math.inf, 0., 1., 0.)
+    # g * act'(NaN), PyTorch's convention for it (its backward ops: threshold_backward passes g, ...); NaN for the smooth ones
+    nan_grad: Callable[[Tensor, float], Tensor] = lambda g, p: g * math.nan
 
     def __call__(self, z:Tensor, param:float=0.) -> Tensor: return self.fn(z, param)
 
-# %% ../nbs/19_act.ipynb #06abe75a
+    def oracle(self, z:Tensor, g:Tensor, p:float=0.) -> tuple[Tensor, Tensor]:
+        "`(act(z), g * act'(z))` in fp64, what every kernel must compute: stock fp64 autograd at finite z, `at_inf` at +-inf (where stock gives NaN at one end or both, differently in its scalar and vector paths), `nan_grad` at NaN"
+        z, g = z.double(), g.double()
+        zr = torch.where(torch.isfinite(z), z, 0.).requires_grad_()
+        out = self.fn(zr, p)
+        dz, = torch.autograd.grad(out, zr, g)
+        out, dz = out.detach().clone(), dz.clone()
+        at_pos, at_neg, d_pos, d_neg = self.at_inf(p)
+        for where, val, dval in ((z == math.inf, at_pos, d_pos), (z == -math.inf, at_neg, d_neg)):
+            out[where], dz[where] = val, (g * dval)[where]
+        nan = z.isnan()
+        out[nan], dz[nan] = math.nan, self.nan_grad(g, p)[nan]
+        return out, dz
+
+# %% ../nbs/19_act.ipynb #b815f7ca
 A = torch.ops.aten
 ACTS = {a.name: a for a in [
-    Act('none', 0, lambda z,p: z, lambda g,z,p: g, lambda p: True, lambda p: nn.Identity()),
+    Act('none', 0, lambda z,p: z, lambda g,z,p: g, lambda p: True, lambda p: nn.Identity(),
+        at_inf=lambda p: (math.inf, -math.inf, 1., 1.), nan_grad=lambda g,p: g),
     Act('relu', 1, lambda z,p: F.relu(z), lambda g,z,p: A.threshold_backward(g, z, 0), lambda p: True,
-        lambda p: nn.ReLU(inplace=True)),
+        lambda p: nn.ReLU(inplace=True), nan_grad=lambda g,p: g),
     Act('relu6', 2, lambda z,p: F.relu6(z), lambda g,z,p: A.hardtanh_backward(g, z, 0., 6.), lambda p: True,
-        lambda p: nn.ReLU6(inplace=True)),
+        lambda p: nn.ReLU6(inplace=True), at_inf=lambda p: (6., 0., 0., 0.), nan_grad=lambda g,p: 0 * g),
     # out > 0 exactly where z > 0 for a slope >= 0; a negative slope makes the sign of out ambiguous
     Act('leaky_relu', 3, lambda z,p: F.leaky_relu(z, p), lambda g,z,p: A.leaky_relu_backward(g, z, p, False),
-        lambda p: p >= 0, lambda p: nn.LeakyReLU(p, inplace=True)),
+        lambda p: p >= 0, lambda p: nn.LeakyReLU(p, inplace=True),
+        at_inf=lambda p: (math.inf, math.copysign(math.inf, -p), 1., p), nan_grad=lambda g,p: g * p),
     Act('silu', 4, lambda z,p: F.silu(z), lambda g,z,p: A.silu_backward(g, z), module=lambda p: nn.SiLU(inplace=True)),
     Act('hardswish', 5, lambda z,p: F.hardswish(z), lambda g,z,p: A.hardswish_backward(g, z),
         module=lambda p: nn.Hardswish(inplace=True)),

@@ -53,7 +53,7 @@ def _stats_final(ps_ptr, pq_ptr, shift_ptr, mean_ptr, var_ptr, P, M, C, BLOCK_C:
     tl.store(mean_ptr + cols, shift + md, mask=cmask)
     tl.store(var_ptr + cols, tl.maximum(q / M - md * md, 0), mask=cmask)
 
-# %% ../nbs/20_triton_kernels.ipynb #0fa15e96
+# %% ../nbs/20_triton_kernels.ipynb #becb01eb
 @triton.jit
 def _sig2(a):
     "`(sigmoid(a), sigmoid(a)*(1 - sigmoid(a)))`, computed without overflow or cancellation"
@@ -62,17 +62,22 @@ def _sig2(a):
     return tl.where(a >= 0, r, e * r), e * r * r
 
 @triton.jit
+def _mul0(a, b):
+    "`a * b`, but 0 where `b` is 0 and `a` not NaN: z = +-inf times a factor that vanishes there gives the limit, not inf * 0 (act.h's `limits`)"
+    return tl.where((b == 0) & (a == a), 0, a * b)
+
+@triton.jit
 def _act(z, p, ACT: tl.constexpr):
     "`act(z)` for the activation with code `ACT` and parameter `p`, in `z`'s dtype"
     if ACT == 1: r = tl.where(z < 0, 0, z)                              # NaN stays NaN, as in PyTorch
     elif ACT == 2: r = tl.where(z < 0, 0, tl.where(z > 6, 6, z))
     elif ACT == 3: r = tl.where(z > 0, z, z * p)
-    elif ACT == 4: r = z / (1 + tl.exp(-z))
-    elif ACT == 5: r = z * tl.minimum(tl.maximum(z + 3, 0), 6) / 6
-    elif ACT == 6: r = z * 0.5 * (1 + tl.math.erf(z * 0.7071067811865476))
+    elif ACT == 4: r = _mul0(z, 1 / (1 + tl.exp(-z)))
+    elif ACT == 5: r = _mul0(z, tl.minimum(tl.maximum(z + 3, 0), 6)) / 6
+    elif ACT == 6: r = _mul0(z, 0.5 * (1 + tl.math.erf(z * 0.7071067811865476)))
     elif ACT == 7:
         s, _ = _sig2(1.5957691216057308 * (z + 0.044715 * z * z * z))     # 2 * sqrt(2/pi) * (z + k z^3)
-        r = z * s
+        r = _mul0(z, s)
     else:
         tl.static_assert(ACT == 0, "unknown activation code")
         r = z
@@ -82,19 +87,20 @@ def _act(z, p, ACT: tl.constexpr):
 def _act_grad(z, p, ACT: tl.constexpr):
     "`act'(z)` for the activation with code `ACT` and parameter `p`, in `z`'s dtype"
     one, zero = tl.full(z.shape, 1, z.dtype), tl.zeros(z.shape, z.dtype)
-    if ACT == 1: d = tl.where(z <= 0, zero, one)                       # written so that NaN lets dout through,
-    elif ACT == 2: d = tl.where((z <= 0) | (z >= 6), zero, one)        # as ATen's backward kernels do
+    # at NaN what PyTorch's backward ops give (act.ACTS' nan_grad): relu g, relu6 0, leaky_relu g*slope, the others NaN
+    if ACT == 1: d = tl.where(z <= 0, zero, one)
+    elif ACT == 2: d = tl.where((z > 0) & (z < 6), one, zero)
     elif ACT == 3: d = tl.where(z > 0, one, one * p)
     elif ACT == 4:
-        s = 1 / (1 + tl.exp(-z))
-        d = s * (1 + z * (1 - s))
-    elif ACT == 5: d = tl.where(z <= -3, zero, tl.where(z < 3, z / 3 + 0.5, one))
+        s, ds = _sig2(z)
+        d = s + _mul0(z, ds)
+    elif ACT == 5: d = tl.where(z <= -3, zero, tl.where(z >= 3, one, z / 3 + 0.5))
     elif ACT == 6:
         cdf = 0.5 * (1 + tl.math.erf(z * 0.7071067811865476))
-        d = cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327       # pdf: exp(-z^2/2) / sqrt(2 pi)
+        d = cdf + _mul0(z, tl.exp(-0.5 * z * z) * 0.3989422804014327)   # pdf: exp(-z^2/2) / sqrt(2 pi)
     elif ACT == 7:
         s, ds = _sig2(1.5957691216057308 * (z + 0.044715 * z * z * z))
-        d = s + z * ds * 1.5957691216057308 * (1 + 0.134145 * z * z)   # 3 * 0.044715
+        d = s + _mul0(z * 1.5957691216057308 * (1 + 0.134145 * z * z), ds)   # 3 * 0.044715
     else:
         tl.static_assert(ACT == 0, "unknown activation code")
         d = one

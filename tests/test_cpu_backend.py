@@ -143,35 +143,10 @@ def test_simd_width(k):
     if level != 'generic': assert lanes == {'avx2': 8, 'avx512': 16}[level]
 
 # act(z) and act'(z) at z = +inf and -inf: the mathematical limits (leaky_relu's act(-inf) is slope * -inf)
-INF = math.inf
-def act_limits(name, p):
-    if name == 'none': return INF, -INF, 1., 1.
-    if name == 'relu6': return 6., 0., 0., 0.
-    if name == 'leaky_relu': return INF, math.copysign(INF, -p), 1., p
-    return INF, 0., 1., 0.   # relu, silu, hardswish, gelu, gelu_tanh
-# g * act'(NaN): PyTorch's conventions, which act.h follows (threshold_backward passes g, hardtanh_backward gives 0,
-# leaky_relu_backward g * slope); NaN for the smooth ones
-NAN_GRAD = {'none': lambda g, p: g, 'relu': lambda g, p: g, 'relu6': lambda g, p: 0 * g, 'leaky_relu': lambda g, p: g * p}
-
-def act_oracle(name, p, z, g):
-    "`(act(z), g * act'(z))` in fp64: stock fp64 autograd at finite z, the limits at +-inf, PyTorch's conventions at NaN"
-    z, g = z.double(), g.double()
-    finite = torch.isfinite(z)
-    zr = torch.where(finite, z, 0.).requires_grad_()
-    out = ACTS[name].fn(zr, p)
-    (dz,) = torch.autograd.grad(out, zr, g)
-    out, dz = out.detach().clone(), dz.clone()
-    at_pos, at_neg, df_pos, df_neg = act_limits(name, p)
-    for where, val, dval in ((z == INF, at_pos, df_pos), (z == -INF, at_neg, df_neg)):
-        out[where], dz[where] = val, (g * dval)[where]
-    nan = z.isnan()
-    out[nan], dz[nan] = math.nan, NAN_GRAD.get(name, lambda g, p: g * math.nan)(g, p)[nan]
-    return out, dz
-
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)
 def test_act_formulas(k, name, p, dtype):
-    """act.h at chosen points (the boundaries, large values, +-inf, NaN) against fp64 (`act_oracle`): at +-inf the
+    """act.h at chosen points (the boundaries, large values, +-inf, NaN) against the table's fp64 oracle: at +-inf the
     mathematical limits, where stock PyTorch gives NaN at one end or both, differently in its scalar and vectorized
     paths; hardswish' is 0 at z = -3 and 1 at z = 3 exactly. Depthwise 1x1 conv of ones, mean 0, var 1, eps 0: z = x"""
     pts = torch.tensor([0., -0., 6., -3., 3., 1e-30, -1e-30, 5.999, 6.001, -2.999, -3.001, 2.999, 3.001, 1., -1., 0.5,
@@ -186,7 +161,7 @@ def test_act_formulas(k, name, p, dtype):
         out, y, params = k.layer_fwd(x, w, None, None, None, None, zero, one, *geom, 0., ACTS[name].code, p, True)
     torch.testing.assert_close(y, x, rtol=0, atol=0, equal_nan=True)   # (the conv may turn -0 into +0)
     g = torch.randn_like(x).abs() + 0.5
-    want, want_dx = act_oracle(name, p, x, g)
+    want, want_dx = ACTS[name].oracle(x, g, p)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)  # fp32: erf, tanh
     torch.testing.assert_close(out.double(), want, **tol, equal_nan=True)
     needs = [True, False, False, False, False, False]

@@ -229,7 +229,7 @@ def check_channelslast(self:Learner, n:int=2, timeout:float=60, guard:bool=True)
     xb, _ = _train_batches(self, 1)[0]
     return check_channelslast(self.model, *xb, precision=_learner_precision(self), n=n, timeout=timeout, guard=guard)
 
-# %% ../nbs/06_check.ipynb #1f6b37ee
+# %% ../nbs/06_check.ipynb #f57ebe9f
 def _model_named(arch:str) -> nn.Module:
     "A timm model, else a torchvision one, with random weights"
     import timm
@@ -239,15 +239,8 @@ def _model_named(arch:str) -> nn.Module:
     except ValueError: pass
     raise ValueError(f"unknown --arch {arch!r}: give a timm model name (timm.list_models()) or a torchvision one")
 
-def main(argv=None):
-    "`clfast check --arch NAME`: the numerics self-check of a timm/torchvision model's convs on this machine"
-    p = argparse.ArgumentParser(prog='clfast check', description=main.__doc__)
-    p.add_argument('--arch', required=True, help="timm or torchvision model name, e.g. resnet50")
-    p.add_argument('--size', type=int, default=224, help="input image size")
-    p.add_argument('--channels', type=int, default=3, help="input channels")
-    p.add_argument('--precision', default='float32', choices=['float32', 'bfloat16', 'float16'])
-    p.add_argument('--timeout', type=float, default=60, help="seconds a geometry may take before it counts as hung")
-    a = p.parse_args(argv)
+def main(a:argparse.Namespace):
+    "`clfast check`, given its options (`clfast.cli.check_parser`): the numerics self-check of a timm/torchvision model's convs on this machine"
     model = _model_named(a.arch)
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as w:

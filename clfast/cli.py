@@ -7,10 +7,10 @@ from __future__ import annotations
 import argparse, importlib, sys
 
 # %% auto #0
-__all__ = ['COMMANDS', 'PARSERS', 'positive_int', 'demo_parser', 'audit_models_parser', 'bench_parser', 'main']
+__all__ = ['COMMANDS', 'PARSERS', 'positive_int', 'demo_parser', 'audit_models_parser', 'bench_parser', 'check_parser', 'main']
 
-# %% ../nbs/90_cli.ipynb #01d1dc5b
-COMMANDS = {  # subcommand -> (module with `main(argv)`, what it does)
+# %% ../nbs/90_cli.ipynb #87880f62
+COMMANDS = {  # subcommand -> (module with `main(options)`, what it does); the options are parsed here (PARSERS)
     'demo': ('clfast.demo', "train a small CNN on real digits, contiguous fp32 vs learn.to_channelslast()"),
     'audit-models': ('clfast.audit_models', "audit torchvision and timm models for channel thrashing"),
     'bench': ('clfast.finder', "measure a timm/torchvision model in every format, precision and fuse mode (format finder)"),
@@ -57,7 +57,7 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument('--seed', type=int, default=42, help="random seed of both runs")
     return p
 
-# %% ../nbs/90_cli.ipynb #65be199a
+# %% ../nbs/90_cli.ipynb #b8fd6730
 def audit_models_parser() -> argparse.ArgumentParser:
     "Options of `clfast audit-models`"
     p = _parser('clfast audit-models', "Audit torchvision and timm models (random weights, CPU, train mode, forward and "
@@ -83,15 +83,26 @@ def bench_parser() -> argparse.ArgumentParser:
     p.add_argument('--json', action='store_true', help="print the table as JSON")
     return p
 
-PARSERS = {'demo': demo_parser, 'audit-models': audit_models_parser, 'bench': bench_parser}
+def check_parser() -> argparse.ArgumentParser:
+    "Options of `clfast check`"
+    p = _parser('clfast check', "The numerics self-check of a timm or torchvision model's convs on this machine: each "
+                "distinct conv geometry in channels-last against fp64, in a child process; failing ones are cached and guarded.")
+    p.add_argument('--arch', required=True, help="timm or torchvision model name, e.g. resnet50")
+    p.add_argument('--size', type=positive_int, default=224, help="input image size")
+    p.add_argument('--channels', type=positive_int, default=3, help="input channels")
+    p.add_argument('--precision', default='float32', choices=['float32', 'bfloat16', 'float16'])
+    p.add_argument('--timeout', type=float, default=60, help="seconds a geometry may take before it counts as hung")
+    return p
 
-# %% ../nbs/90_cli.ipynb #889bead7
+PARSERS = {'demo': demo_parser, 'audit-models': audit_models_parser, 'bench': bench_parser, 'check': check_parser}
+
+# %% ../nbs/90_cli.ipynb #04fa9891
 def main(argv=None):
     "Entry point of the `clfast` console script"
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ('-h', '--help'): print(_usage()); return 0
     if argv[0] not in COMMANDS:
         print(f"clfast: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr); return 2
-    if argv[0] in PARSERS: PARSERS[argv[0]]().parse_args(argv[1:])   # --help and bad options exit here, fast
-    rc = importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
+    options = PARSERS[argv[0]]().parse_args(argv[1:])   # --help and bad options exit here, before torch loads
+    rc = importlib.import_module(COMMANDS[argv[0]][0]).main(options)
     return rc if isinstance(rc, int) else 0   # an exit status (`clfast check`: 1 on a failing conv), not `demo`'s results

@@ -319,19 +319,22 @@ def test_rank_change_is_not_lost():
 # --- the coverage script ---
 
 def test_audit_models_cli(tmp_path):
-    from clfast.audit_models import main
-    df = main(['--source', 'torchvision', '--models', 'squeezenet1_1', 'mobilenet_v2', '--out', str(tmp_path/'cov')])
+    from clfast.audit_models import main as audit
+    from clfast.cli import audit_models_parser, main
+    df = audit(audit_models_parser().parse_args(['--source', 'torchvision', '--models', 'squeezenet1_1', 'mobilenet_v2',
+                                                 '--out', str(tmp_path/'cov')]))
     csv = __import__('pandas').read_csv(tmp_path/'cov.csv', keep_default_na=False)
     assert csv.model.tolist() == ['squeezenet1_1', 'mobilenet_v2'] and csv.events_backward.tolist() == [0, 1]
     assert 'features.18.2 (ReLU6)' in (tmp_path/'cov.md').read_text()
-    with pytest.raises(SystemExit): main(['--models', 'resnet18'])           # which zoo is ambiguous
-    with pytest.raises(SystemExit): main(['--size', '0', '--out', str(tmp_path/'x')])
+    with pytest.raises(SystemExit): main(['audit-models', '--models', 'resnet18'])           # which zoo is ambiguous
+    with pytest.raises(SystemExit): main(['audit-models', '--size', '0', '--out', str(tmp_path/'x')])
 
 @pytest.mark.slow
 def test_audit_models_zoo(tmp_path):
     from clfast.audit_models import main
-    df = main(['--source', 'torchvision', '--models', 'resnet18', 'resnet50', 'squeezenet1_0', 'mnasnet0_5',
-               'vgg11', 'shufflenet_v2_x1_0', '--out', str(tmp_path/'cov')]).set_index('model')
+    from clfast.cli import audit_models_parser
+    df = main(audit_models_parser().parse_args(['--source', 'torchvision', '--models', 'resnet18', 'resnet50', 'squeezenet1_0',
+              'mnasnet0_5', 'vgg11', 'shufflenet_v2_x1_0', '--out', str(tmp_path/'cov')])).set_index('model')
     events = df.events_forward + df.events_backward
     assert (events[['resnet18', 'resnet50', 'squeezenet1_0', 'mnasnet0_5']] == 0).all()
     assert df.worst_module['vgg11'] == '(root) (VGG)' and df.worst_module['shufflenet_v2_x1_0'] == 'stage2.0 (InvertedResidual)'

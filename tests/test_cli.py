@@ -1,6 +1,6 @@
 "The `clfast` command: options parsed before torch loads, defaults shown, any torchvision/timm arch trains with progress."
 import subprocess, sys, pytest
-from clfast.cli import main
+from clfast.cli import main, demo_parser
 from clfast.demo import main as demo_main
 
 def _run(*args):
@@ -41,4 +41,4 @@ def test_demo_any_arch(capsys):
 
 def test_unknown_arch():
     with pytest.raises(ValueError, match="Unknown arch 'resnet_nope'.*torchvision model name"):
-        demo_main(['--arch', 'resnet_nope', '--epochs', '1', '--items', '40', '--device', 'cpu'])
+        demo_main(demo_parser().parse_args(['--arch', 'resnet_nope', '--epochs', '1', '--items', '40', '--device', 'cpu']))

@@ -15,6 +15,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from clfast import ops
+from clfast.reference import as_rows
 from clfast.act import ACTS
 
 # (name, N, Cin, H, Cout, kernel, stride, groups, act): a ResNet-50 bottleneck's 3x3 and 1x1 convs, and
@@ -89,7 +90,7 @@ def bench_cuda(reps):
     for dtype in (torch.bfloat16, torch.float16):
         for shape in CUDA_SHAPES:
             y, w, b, r, g = make(shape, dtype, 'cuda', True)
-            x, xr, xg = ops.as_rows(y), ops.as_rows(r), ops.as_rows(g)
+            x, xr, xg = as_rows(y), as_rows(r), as_rows(g)
             nb = y.numel() * y.element_size()
             copy_bw = 2 * nb / cuda_time(y.clone, reps) / 1e6
             mean, var = tk.stats(x)
@@ -127,7 +128,7 @@ def bench_cuda_vs_stock(reps):
             predicted = model_ratio(dtype, res)
             for shape in CUDA_SHAPES:
                 y, w, b, r, g = make(shape, dtype, 'cuda', res)
-                x, xg, xr = ops.as_rows(y), ops.as_rows(g), (ops.as_rows(r) if res else None)
+                x, xg, xr = as_rows(y), as_rows(g), (as_rows(r) if res else None)
                 def fused():
                     mean, var = tk.stats(x)
                     invstd = (var + 1e-5).rsqrt()

@@ -30,20 +30,20 @@ def worker(rank, args, init):
     torch.manual_seed(0)
     base = timm.create_model(args.arch, pretrained=False, num_classes=10)
     fuse_conv_bn(base, args.mode)
-    import clfast.ops as ops
+    import clfast.syncstats as syncstats
     setups = {'unsynced': base, 'synced': nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(base))}
     setups['synced-msg'] = copy.deepcopy(setups['synced'])
     setups['no-comm'] = copy.deepcopy(setups['synced'])
-    gather = ops._gather_rows
+    gather = syncstats._gather_rows
     paths = {'no-comm': lambda t, g: torch.stack([t] * args.ranks),
-             'synced-msg': lambda t, g: ops._message_rows(t, ops._twin(g)[0])}
+             'synced-msg': lambda t, g: syncstats._message_rows(t, syncstats._twin(g).group)}
     models = {k: DDP(m.to(memory_format=torch.channels_last)) for k, m in setups.items()}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     torch.manual_seed(rank)
     x = torch.randn(args.bs, 3, args.size, args.size).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.bs,))
     def steps(k):
-        ops._gather_rows = paths.get(k, gather)
+        syncstats._gather_rows = paths.get(k, gather)
         for _ in range(args.steps):
             nn.functional.cross_entropy(models[k](x), y).backward()
             opts[k].step(); opts[k].zero_grad()

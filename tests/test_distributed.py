@@ -62,7 +62,7 @@ def _sync_worker(rank, init, out, mode, order, dtype, sizes, kernels, exchange):
         _train(DDP(model), x[lo:lo + sizes[rank]].to(dtype), y[lo:lo + sizes[rank]], len(x))
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         unfuse_conv_bn(model)
-        from clfast.ops import _twin
+        from clfast.syncstats import _twin
         shared = _twin(dist.group.WORLD.group_name).exchange is not None
         torch.save(dict(state=state, kinds=[type(m).__name__ for m in model.modules()], shared=shared), f"{out}/rank{rank}.pt")
     finally: dist.destroy_process_group()
@@ -111,7 +111,7 @@ def _reinit_worker(rank, init):
         every = [torch.empty(4) for _ in range(WORLD)]
         dist.all_gather(every, f.bn.running_mean)
         assert torch.equal(every[0], every[1])   # synchronized: both ranks computed the same statistics
-        from clfast.ops import _twin   # the collectives' twin group belongs to this process group, not a destroyed one
+        from clfast.syncstats import _twin   # the collectives' twin group belongs to this process group, not a destroyed one
         assert dist.get_process_group_ranks(_twin(dist.group.WORLD.group_name).group) == [0, 1]
         # both ranks done with the group before either tears it down: without this, gloo aborted a rank ("terminate
         # called without an active exception") in 2 of 12 runs, at this session's start commit as well

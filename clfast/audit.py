@@ -217,7 +217,7 @@ def _scalar(out) -> Tensor:
                                 "pass backward=False to audit the forward only")
     return sum(ts)
 
-# %% ../nbs/10_audit.ipynb #94bb526b
+# %% ../nbs/10_audit.ipynb #59318abb
 def audit(model:nn.Module, *inputs, backward:bool=True, strict:bool=False, loss_fn=None) -> ChannelsLastReport:
     "Run `model(*inputs)` and a backward on `loss_fn(output)` (default: the outputs' sum), recording layout events"
     if not isinstance(model, nn.Module): raise TypeError(f"audit needs an nn.Module, got {type(model).__name__}")
@@ -236,7 +236,7 @@ def audit(model:nn.Module, *inputs, backward:bool=True, strict:bool=False, loss_
     finally:
         for h in handles: h.remove()
         saved.restore()
-    routed = [(n, plan[0], plan[2]) for n, plan in mode.routed.items()]
+    routed = [(n, plan.workaround, plan.why) for n, plan in mode.routed.items()]
     return ChannelsLastReport(mode.events, {**names, '(loss)': '(loss)'}, guarded=guard_report(model) + routed)
 
 # %% ../nbs/10_audit.ipynb #19b57fe7

@@ -60,7 +60,7 @@ def bad_kernels_for(conv:nn.Module, isa:str|None=None, version:str=torch.__versi
     isa = onednn_isa() if isa is None else isa
     return [b for b in KNOWN_BAD_KERNELS if b.affects(conv, isa, version)]
 
-# %% ../nbs/05_guard.ipynb #83720604
+# %% ../nbs/05_guard.ipynb #d02b79cb
 class GuardPlan(NamedTuple):
     "How one conv runs instead of the stock way: `workaround` ('subsample', 'contiguous', 'nchw_weight_grad'), whether only its backward needs it, and why"
     workaround: str
@@ -73,12 +73,12 @@ def _channels_last(t:Tensor) -> bool:
 def guard_acts(plan, x:Tensor, weight:Tensor) -> bool:
     "Whether `plan` changes this call: a CPU conv, and a weight gradient to compute unless the bad kernel is forward too"
     if plan is None or x.device.type != 'cpu': return False
-    return not plan[1] or (torch.is_grad_enabled() and weight.requires_grad)
+    return not plan.backward_only or (torch.is_grad_enabled() and weight.requires_grad)
 
 def guard_conv_call(run, x:Tensor, weight:Tensor, stride:tuple, plan, residual:Tensor|None=None):
     "`run(x, weight, stride, residual)` (a conv, or a layer starting with one) so that the conv never reaches a bad kernel"
     if not guard_acts(plan, x, weight): return run(x, weight, stride, residual)
-    if plan[0] == 'subsample':   # 1x1, no padding: stride s is stride 1 on every s-th row and column
+    if plan.workaround == 'subsample':   # 1x1, no padding: stride s is stride 1 on every s-th row and column
         # laid out as `x` (the copy the conv would make of a strided view anyway), so the conv picks the stock layout
         sub = x[:, :, ::stride[0], ::stride[1]].contiguous(memory_format=suggest_memory_format(x))
         return run(sub, weight, (1, 1), residual)
@@ -202,10 +202,11 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/05_guard.ipynb #365b4877
+# %% ../nbs/05_guard.ipynb #591ad70c
 class GuardedConv2d(AsStock, nn.Conv2d):
     "A stock `nn.Conv2d` whose conv runs through `guard_conv_call`; pickles as `nn.Conv2d`, without the plan"
     _stock_class, _own_attrs = nn.Conv2d, ('_cl_guard',)
+    _cl_guard: GuardPlan|None = None   # set by `guard_model`; None: stock, or the short-input route per call
     def _conv_forward(self, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
         plan = call_plan(self, input, weight)
         if plan is None: return self._stock_conv(input, weight, bias)
@@ -247,7 +248,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None):
         return GuardPlan(how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #1f0da620
+# %% ../nbs/05_guard.ipynb #71e853ca
 def _is_fused_conv(m) -> bool:
     "A conv whose forward is clfast's fused op (surgery keeps the BN in `_fused_bn`; a standalone FusedConvBN2d has `fused_bn`)"
     return isinstance(m, nn.Conv2d) and ('_fused_bn' in m.__dict__ or isinstance(getattr(type(m), 'fused_bn', None), property))
@@ -255,7 +256,7 @@ def _is_fused_conv(m) -> bool:
 def unguard_model(model:nn.Module) -> nn.Module:
     "Remove every guard `guard_model` put on `model`, in place (guarded convs and precise BNs back to their stock classes); idempotent"
     for m in model.modules():
-        m.__dict__.pop('_cl_guard', None)
+        if getattr(m, '_cl_guard', None) is not None: m._cl_guard = None
         # a precise SyncBatchNorm stays: on the CPU it is the only SyncBatchNorm that runs (PyTorch's has no CPU kernel)
         if type(m) is GuardedConv2d or (is_precise(m) and not is_sync_bn(m)): m._to_stock()
     _guard_reports.pop(model, None)
@@ -283,9 +284,9 @@ def guard_model(model:nn.Module) -> list:
             continue
         if type(m) is nn.Conv2d: m.__class__ = GuardedConv2d
         elif not _is_fused_conv(m):   # a frozen conv (folded for inference) never computes the bad weight gradient
-            if not (plan[1] and not m.weight.requires_grad): skipped.append((name, type(m).__name__))
+            if not (plan.backward_only and not m.weight.requires_grad): skipped.append((name, type(m).__name__))
             continue
-        m.__dict__['_cl_guard'] = plan
+        m._cl_guard = plan
         guarded.append((name, plan.workaround, plan.why))
     if skipped:
         import warnings
@@ -297,14 +298,14 @@ def guard_model(model:nn.Module) -> list:
 
 def call_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     "The plan one call of a guarded or fused `conv` runs under: the one `guard_model` stored, else the short-input route's"
-    return conv.__dict__.get('_cl_guard') or short_input_plan(conv, x, weight)
+    return conv._cl_guard or short_input_plan(conv, x, weight)
 
 def short_input_route(conv:nn.Module, x:Tensor):
     "The short-input plan when this call of `conv` is routed (a guarded or fused conv with no stored plan), else None"
-    if '_cl_guard' in conv.__dict__ or not (type(conv) is GuardedConv2d or _is_fused_conv(conv)): return None
+    if getattr(conv, '_cl_guard', None) is not None or not (type(conv) is GuardedConv2d or _is_fused_conv(conv)): return None
     plan = short_input_plan(conv, x, conv.weight)
     return plan if guard_acts(plan, x, conv.weight) else None
 
 def guard_report(model:nn.Module) -> list:
     "Where the guard acts in `model`: [(qualified conv name, workaround, why)]"
-    return [(n, m.__dict__['_cl_guard'][0], m.__dict__['_cl_guard'][2]) for n,m in model.named_modules() if '_cl_guard' in m.__dict__]
+    return [(n, m._cl_guard.workaround, m._cl_guard.why) for n,m in model.named_modules() if getattr(m, '_cl_guard', None) is not None]

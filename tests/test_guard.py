@@ -31,7 +31,7 @@ def run_child(code:str, env:dict|None=None) -> subprocess.CompletedProcess:
 # the thin 1x1 stride-2 conv of oneDNN issue 6035, weight gradient against fp64, 8 seeds; prints the worst relative error
 WGRAD_VS_FP64 = '''
 import torch, torch.nn.functional as F, sys
-from clfast.guard import guard_conv_call
+from clfast.guard import GuardPlan, guard_conv_call
 guarded = sys.argv[1] == 'guarded'
 worst = 0.
 for seed in range(8):
@@ -40,7 +40,7 @@ for seed in range(8):
     w64 = w.double().requires_grad_(); F.conv2d(x.double(), w64, None, 2).backward(dy.double())
     wc = w.to(memory_format=torch.channels_last).requires_grad_()
     run = lambda x, w, stride, res: F.conv2d(x, w, None, stride)
-    plan = ('subsample', True, 'test') if guarded else None
+    plan = GuardPlan('subsample', True, 'test') if guarded else None
     y = guard_conv_call(run, x.to(memory_format=torch.channels_last), wc, (2, 2), plan)
     y.backward(dy.contiguous(memory_format=torch.channels_last))
     worst = max(worst, ((wc.grad.double() - w64.grad).abs().max() / w64.grad.abs().max()).item())
@@ -92,7 +92,8 @@ def test_workarounds_equal_fp64(c):
     m64 = copy.deepcopy(m).double()
     fmt = torch.channels_last if c['cl'] else torch.contiguous_format
     m = m.to(memory_format=fmt); guard_model(m)
-    m.__class__, m.__dict__['_cl_guard'] = GuardedConv2d, GuardPlan(c['how'], True, 'test')   # whatever this CPU is
+    m.__class__ = GuardedConv2d
+    m._cl_guard = GuardPlan(c['how'], True, 'test')   # whatever this CPU is
     x = torch.randn(c['n'], c['cin'], *c['hw'])
     x64, x32 = x.double().requires_grad_(), x.to(memory_format=fmt).requires_grad_()
     y, y64 = m(x32), m64(x64)
@@ -126,7 +127,7 @@ def test_learner_gradients_equal_fp64(fuse, cin):
     assert list(learn.model.state_dict()) == keys
     stem = learn.model[0][0]
     if _affected_here():
-        assert stem.__dict__.get('_cl_guard', (None,))[0] == 'subsample'
+        assert stem._cl_guard is not None and stem._cl_guard.workaround == 'subsample'
         assert type(stem) is (GuardedConv2d if not fuse else FusedConvBN2d)
         assert [n for n, *_ in guard_report(learn.model)] == ['0.0']
     xb, yb = learn.dls.one_batch()
@@ -149,13 +150,13 @@ def test_guard_survives_fit_export_and_undo(tmp_path):
     torch.save(learn.model, tmp_path/'m.pt')   # what export pickles (export itself: tests/test_integration.py)
     loaded = torch.load(tmp_path/'m.pt', weights_only=False)
     assert not [type(m) for m in loaded.modules() if type(m).__module__.startswith('clfast')]
-    assert not any('_cl_guard' in m.__dict__ for m in loaded.modules())
+    assert not any('_cl_guard' in vars(m) for m in loaded.modules())   # pickled as stock: no plan
     learn.to_channelslast(use_amp=False)          # unfused, guarded as a GuardedConv2d
     if _affected_here(): assert type(learn.model[0][0]) is GuardedConv2d
     learn.to_contiguous()
     assert guard_report(learn.model) == [] and type(learn.model[0][0]) is nn.Conv2d
     learn.to_channelslast(use_amp=False, fuse='memory'); unfuse_conv_bn(learn.model)
-    assert type(learn.model[0][0]) is nn.Conv2d and '_cl_guard' not in learn.model[0][0].__dict__
+    assert type(learn.model[0][0]) is nn.Conv2d and '_cl_guard' not in vars(learn.model[0][0])
 
 def test_no_cost_where_no_conv_is_affected():
     "A model without affected convs keeps everything but the class of convs that may meet a short input: no plan stored"
@@ -299,7 +300,7 @@ for key, conv, hw, precision in cases:
     with pytest.warns(UserWarning, match=r'layers 1'):
         table = check.check_channelslast(net, torch.randn(2, 3, 8, 8), timeout=3)
     assert list(table.status) == ['ok', status, 'ok']
-    assert [n for n, *_ in guard_report(net)] == ['1'] and net[1].__dict__['_cl_guard'][0] == 'contiguous'
+    assert [n for n, *_ in guard_report(net)] == ['1'] and net[1]._cl_guard.workaround == 'contiguous'
 
 @pytest.mark.parametrize('fuse', [False, 'speed', 'memory'])
 def test_guard_under_autocast(fuse):
@@ -308,7 +309,7 @@ def test_guard_under_autocast(fuse):
     ref = copy.deepcopy(learn.model).double()
     learn.to_channelslast(use_amp=False, fuse=fuse)
     stem = learn.model[0][0]
-    stem.__dict__['_cl_guard'] = GuardPlan('subsample', True, 'test')   # whatever this CPU is
+    stem._cl_guard = GuardPlan('subsample', True, 'test')   # whatever this CPU is
     if type(stem) is nn.Conv2d: stem.__class__ = GuardedConv2d
     x = torch.randn(4, 3, 16, 16)
     learn.model.train(); ref.train()

@@ -248,7 +248,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None):
         return GuardPlan(how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #71e853ca
+# %% ../nbs/05_guard.ipynb #804b71b0
 def _is_fused_conv(m) -> bool:
     "A conv whose forward is clfast's fused op (surgery keeps the BN in `_fused_bn`; a standalone FusedConvBN2d has `fused_bn`)"
     return isinstance(m, nn.Conv2d) and ('_fused_bn' in m.__dict__ or isinstance(getattr(type(m), 'fused_bn', None), property))
@@ -298,7 +298,7 @@ def guard_model(model:nn.Module) -> list:
 
 def call_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     "The plan one call of a guarded or fused `conv` runs under: the one `guard_model` stored, else the short-input route's"
-    return conv._cl_guard or short_input_plan(conv, x, weight)
+    return getattr(conv, '_cl_guard', None) or short_input_plan(conv, x, weight)   # a conv fused by other means (MixedConv2d's) has no plan
 
 def short_input_route(conv:nn.Module, x:Tensor):
     "The short-input plan when this call of `conv` is routed (a guarded or fused conv with no stored plan), else None"

@@ -1,11 +1,11 @@
 // The activations of a fused layer: the ONE place in C++ where their formulas live. Codes are those of
 // `clfast.act.ACTS` (clfast/act.py). Every function is a template on the code, so a kernel picks the activation once,
 // outside its loops (`dispatch`), and the loops over C stay branch-free.
-// Each formula is written once, as a template on `V`: the opmath scalar `T` (float; double for double tensors) or
-// ATen's `Vectorized<T>` (simd.h), so the kernels run the same formula on vectors of channels and on the scalar tail.
-// The operations that differ between the two are simd.h's: exp/erf/tanh (std:: or ATen's vectorized ones, as stock
-// PyTorch's vectorized silu/gelu kernels), neg, min/max, and the selects `sel(cond, a, b)` (cond ? a : b) and
-// `both(c, d)` (c && d) that the piecewise activations are written with; `k<V>(x)` is a constant.
+// Each formula is written once, as a template on `V`: ATen's `Vectorized<T>` of the opmath type `T` (float; double
+// for double tensors), every element of a row included (its last step is a partial vector). The operations are
+// simd.h's: exp/erf/tanh (ATen's vectorized ones, as stock PyTorch's vectorized silu/gelu kernels), neg, min/max, and
+// the selects `sel(cond, a, b)` (cond ? a : b) and `both(c, d)` (c && d) that the piecewise activations are written
+// with; `k<V>(x)` is a constant.
 // `p` is the activation's parameter (leaky_relu's slope), of type V too.
 // Backward conventions are PyTorch's: the `grad` functions compute what its backward kernels compute from `g`
 // (including which side of a boundary gets the gradient and what a NaN input does).

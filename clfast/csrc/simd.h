@@ -1,5 +1,5 @@
-// SIMD building blocks for the kernels: ATen's at::vec::Vectorized, and overloads that let one formula (act.h) be
-// written once for a scalar T and for Vectorized<T>. Must be included before any other ATen vec header.
+// SIMD building blocks for the kernels: ATen's at::vec::Vectorized and the math the formulas of act.h are written
+// with. Must be included before any other ATen vec header.
 //
 // Inside ATen the vec headers are compiled once per CPU capability (CPU_CAPABILITY_AVX2 / _AVX512 set per file by its
 // build); in this extension nothing sets them, and without them Vectorized is the generic array-of-scalars version
@@ -54,33 +54,25 @@ template <typename V> using elem_t = typename elem<V>::type;
 // A constant of type V (a scalar, or broadcast to every lane)
 template <typename V> inline V k(double x) { return V(elem_t<V>(x)); }
 
-// Math: std:: for scalars, ATen's vectorized versions for Vectorized (the ones stock PyTorch's CPU kernels use)
-template <typename T> inline T exp(T x) { return std::exp(x); }
+// Math on vectors: ATen's vectorized versions (the ones stock PyTorch's CPU kernels use). Every element takes them: a
+// row's last step is a partial vector (IO below), so there is no scalar version to keep in step.
 template <typename T> inline Vectorized<T> exp(const Vectorized<T>& x) { return x.exp(); }
-template <typename T> inline T erf(T x) { return std::erf(x); }
 template <typename T> inline Vectorized<T> erf(const Vectorized<T>& x) { return x.erf(); }
-template <typename T> inline T tanh(T x) { return std::tanh(x); }
 template <typename T> inline Vectorized<T> tanh(const Vectorized<T>& x) { return x.tanh(); }
-template <typename T> inline T neg(T x) { return -x; }
 template <typename T> inline Vectorized<T> neg(const Vectorized<T>& x) { return x.neg(); }
-// min/max: std:: ones return their first argument on NaN; at::vec's propagate NaN. The formulas use them as
-// max(NaN-able, constant), so both give NaN for a NaN input.
-template <typename T> inline T max(T a, T b) { return std::max(a, b); }
+// min/max propagate NaN (at::vec's); the formulas use them as max(NaN-able, constant)
 template <typename T> inline Vectorized<T> max(const Vectorized<T>& a, const Vectorized<T>& b) {
   return at::vec::maximum(a, b);
 }
-template <typename T> inline T min(T a, T b) { return std::min(a, b); }
 template <typename T> inline Vectorized<T> min(const Vectorized<T>& a, const Vectorized<T>& b) {
   return at::vec::minimum(a, b);
 }
 
-// Selects and their conditions: a comparison is a bool for scalars, a lane mask for Vectorized (its operators <, >,
-// <=, >= are ordered: false on NaN, like the scalar ones). sel(c, a, b) = c ? a : b; both(c, d) = c && d.
-template <typename T> inline T sel(bool c, T a, T b) { return c ? a : b; }
+// Selects and their conditions: a comparison is a lane mask (Vectorized's operators <, >, <=, >= are ordered: false
+// on NaN). sel(c, a, b) = c ? a : b; both(c, d) = c && d.
 template <typename T> inline Vectorized<T> sel(const Vectorized<T>& c, const Vectorized<T>& a, const Vectorized<T>& b) {
   return Vectorized<T>::blendv(b, a, c);
 }
-inline bool both(bool c, bool d) { return c && d; }
 template <typename T> inline Vectorized<T> both(const Vectorized<T>& c, const Vectorized<T>& d) { return c & d; }
 
 // Loads and stores of a tensor's elements as opmath vectors. A step covers Vectorized<scalar_t>::size() elements:

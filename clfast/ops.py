@@ -225,7 +225,7 @@ def _(running_mean, running_var, num_batches_tracked, params, momentum): return 
 
 _BODIES = {conv_bn_act_op: _layer_fwd, conv_bn_act_backward_op: _layer_bwd, bn_update_running_op: _update_running}
 
-# %% ../nbs/21_ops.ipynb #bfcffaab
+# %% ../nbs/21_ops.ipynb #3d860e71
 def _out_size(x:Tensor, weight:Optional[Tensor], stride, padding, dilation) -> list[int]:
     if weight is None: return list(x.shape)
     hw = [(n + 2*p - d*(k-1) - 1) // s + 1 for n, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
@@ -250,12 +250,12 @@ def fused_conv_bn(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_w
         raise ValueError(f"Expected more than 1 value per channel when training, got input size torch.Size({size})")
     if residual is not None and residual.dtype != x.dtype: residual = residual.to(x.dtype)
     keep_y = keep_y and weight is not None   # without a conv, y is x: backward has it anyway (and an op's output may not alias its input)
-    eager = _eager()
     if not group and x.is_cpu and (step := cpu_step()) is not None:
         # the whole step in C++, autograd and running statistics included (the same formulas as this op's)
         return step(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked,
                     training, momentum, eps, list(stride), list(padding), list(dilation), groups, a.code,
                     float(act_param), keep_y)
+    eager = _eager()   # (cpu_step asked it too; only the other paths need it again)
     mean = var = None
     if not batch_stats:  # copies, so that a later in-place update cannot invalidate what backward saved
         mean, var = running_mean.detach().clone(), running_var.detach().clone()

@@ -180,10 +180,8 @@ def section_gpu(args):
 
 def section_overhead(args):
     """The fixed cost of one fused layer per training step, on a layer too small for the kernels to matter (batch 2,
-    8 channels, 4x4): stock conv -> BN -> ReLU, the fused layer in eager mode (the ops' Python bodies), and the same
-    through the registered ops (what a tracer sees). Median microseconds of forward + backward, rounds interleaved."""
-    from unittest import mock
-    from clfast import ops
+    8 channels, 4x4): stock conv -> BN -> ReLU against the fused layer (the op, its C++ autograd node and the kernel
+    ops). Median microseconds of forward + backward, rounds interleaved."""
     print("\n## Fixed cost per layer and training step (batch 2, 8 channels, 4x4, channels-last, 1 thread)")
     threads = torch.get_num_threads(); torch.set_num_threads(1)
     stock = cl(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()))
@@ -193,14 +191,9 @@ def section_overhead(args):
         def f():
             for _ in range(n): m(x).sum().backward()
         return f
-    def through_ops(f):
-        def g():
-            with mock.patch.object(ops, '_eager', lambda: False): f()
-        return g
-    raw = interleaved({'stock': steps(stock), 'fused (eager)': steps(fused), 'fused (registered ops)': through_ops(steps(fused))},
-                      args.rounds * 6, warmup=2)
+    raw = interleaved({'stock': steps(stock), 'fused': steps(fused)}, args.rounds * 6, warmup=2)
     for k, t in medians(raw).items(): print(f"{k:>24}: {t / 50 * 1e6:7.0f} us per layer-step")
-    print("  " + paired_ratios(raw, 'fused (registered ops)', 'fused (eager)'))
+    print("  " + paired_ratios(raw, 'fused', 'stock'))
     torch.set_num_threads(threads)
 
 SECTIONS = {'train': section_train, 'infer': section_infer, 'gpu': section_gpu, 'overhead': section_overhead}

@@ -19,10 +19,10 @@ from torch import nn
 
 def stem_step(how, x0, w):
     "One forward + backward of the affected stem, guarded with `how` ('subsample', 'contiguous') or stock (None)"
-    from clfast.guard import guard_conv_call
+    from clfast.guard import GuardPlan, route
     x = x0.detach().requires_grad_()
-    run = lambda x, w, stride, res: F.conv2d(x, w, None, stride)
-    y = guard_conv_call(run, x, w, (2, 2), None if how is None else (how, True, 'bench'))
+    r = route(None if how is None else GuardPlan(how, True, 'bench'), x, w, (2, 2))
+    y = r.restore(F.conv2d(r.x, r.weight, None, r.stride))
     y.backward(torch.ones_like(y))
     w.grad = None
 

@@ -11,11 +11,10 @@ beside the stock / fused ratio `clfast.gpu_report`'s traffic model predicts.
 Run under the shared CPU lock:  flock /tmp/clfast-cpu.lock python benchmarks/bench_kernels.py [--device cpu|cuda]
 """
 import argparse, os, statistics, time
-from unittest import mock
 import torch
 import torch.nn.functional as F
 from clfast import ops
-from clfast.reference import as_rows
+from clfast.reference import ConvGeometry, as_rows
 from clfast.act import ACTS
 
 # (name, N, Cin, H, Cout, kernel, stride, groups, act): a ResNet-50 bottleneck's 3x3 and 1x1 convs, and
@@ -40,25 +39,25 @@ def layer(name, n, cin, h, cout, k, stride, groups, act):
     x = torch.randn(n, cin, h, h).to(memory_format=cl).requires_grad_()
     w = (torch.randn(cout, cin // groups, k, k) * 0.1).to(memory_format=cl).requires_grad_()
     bw, bb = (torch.rand(cout) + .5).requires_grad_(), torch.randn(cout).requires_grad_()
-    return x, w, bw, bb, (stride, stride), (k // 2, k // 2), groups, act
+    return x, w, bw, bb, ConvGeometry((stride, stride), (k // 2, k // 2), (1, 1), groups), act
 
-def fused_step(x, w, bw, bb, stride, pad, groups, act):
+def fused_step(x, w, bw, bb, geom, act):
     rm, rv, nbt = torch.zeros(w.shape[0]), torch.ones(w.shape[0]), torch.zeros((), dtype=torch.long)
-    out = ops.fused_conv_bn(x, w, None, bw, bb, rm, rv, nbt, True, 0.1, 1e-5, stride, pad, (1, 1), groups, act=act)
+    out = ops.fused_conv_bn(x, w, None, bw, bb, rm, rv, nbt, True, 0.1, 1e-5, geom, act=act)
     torch.autograd.grad(out, (x, w, bw, bb), torch.ones_like(out))
 
 def ref_step(*a):
-    with mock.patch.dict(os.environ, {'CLFAST_KERNELS': 'ref'}): fused_step(*a)
+    with ops.cpu_kernels_from('ref'): fused_step(*a)
 
-def stock_step(x, w, bw, bb, stride, pad, groups, act):
+def stock_step(x, w, bw, bb, geom, act):
     rm, rv = torch.zeros(w.shape[0]), torch.ones(w.shape[0])
-    out = ACTS[act](F.batch_norm(F.conv2d(x, w, None, stride, pad, 1, groups), rm, rv, bw, bb, True, 0.1, 1e-5), 0.)
+    out = ACTS[act](F.batch_norm(F.conv2d(x, w, None, *geom), rm, rv, bw, bb, True, 0.1, 1e-5), 0.)
     torch.autograd.grad(out, (x, w, bw, bb), torch.ones_like(out))
 
 def bench_cpu(reps):
     print(f"CPU, {torch.get_num_threads()} threads; one training step (fwd+bwd) of conv + BN + act, fp32, channels-last; "
           f"median of {reps} interleaved rounds")
-    ops.kernel_backend('cpu')     # build/load the C++ kernels before timing
+    ops.kernels_ready()     # build/load the C++ kernels before timing
     print(f"{'layer':>18} {'act':>5} {'C++ ms':>8} {'ref ms':>8} {'stock ms':>9} {'stock/C++':>10} {'ref/C++':>8}")
     for spec in CPU_LAYERS:
         args = layer(*spec)

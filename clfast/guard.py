@@ -18,7 +18,7 @@ from .bn import make_precise, imprecise_cl_batch_norm, can_be_precise, is_precis
 # %% auto #0
 __all__ = ['KNOWN_BAD_KERNELS', 'PREMISE_CACHE', 'SHORT_INPUT_FASTER', 'SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT',
            'CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM', 'MEASURED_KERNELS', 'BadKernel', 'bad_kernels_for', 'GuardPlan',
-           'guard_acts', 'guard_conv_call', 'premise', 'forget_premises', 'MeasuredKernel', 'weight_grad_in_nchw',
+           'guard_acts', 'Route', 'route', 'premise', 'forget_premises', 'MeasuredKernel', 'weight_grad_in_nchw',
            'paired_ratio', 'short_input_slower', 'may_meet_short_input', 'short_input_plan', 'GuardedConv2d',
            'guard_plan', 'unguard_model', 'guard_model', 'call_plan', 'short_input_route', 'guard_report']
 
@@ -60,7 +60,7 @@ def bad_kernels_for(conv:nn.Module, isa:str|None=None, version:str=torch.__versi
     isa = onednn_isa() if isa is None else isa
     return [b for b in KNOWN_BAD_KERNELS if b.affects(conv, isa, version)]
 
-# %% ../nbs/05_guard.ipynb #d02b79cb
+# %% ../nbs/05_guard.ipynb #8ed9306a
 class GuardPlan(NamedTuple):
     "How one conv runs instead of the stock way: `workaround` ('subsample', 'contiguous', 'nchw_weight_grad'), whether only its backward needs it, and why"
     workaround: str
@@ -75,18 +75,30 @@ def guard_acts(plan, x:Tensor, weight:Tensor) -> bool:
     if plan is None or x.device.type != 'cpu': return False
     return not plan.backward_only or (torch.is_grad_enabled() and weight.requires_grad)
 
-def guard_conv_call(run, x:Tensor, weight:Tensor, stride:tuple, plan, residual:Tensor|None=None):
-    "`run(x, weight, stride, residual)` (a conv, or a layer starting with one) so that the conv never reaches a bad kernel"
-    if not guard_acts(plan, x, weight): return run(x, weight, stride, residual)
+@dataclass(frozen=True)
+class Route:
+    "What one conv call (or a layer starting with a conv) takes under a plan, and whether its output goes back to channels-last"
+    x: Tensor
+    weight: Tensor
+    stride: tuple
+    residual: Tensor|None = None
+    back_to_channels_last: bool = False
+    def restore(self, out:Tensor) -> Tensor:
+        "The conv's `out` in the layout the stock conv would have given it"
+        return out.contiguous(memory_format=torch.channels_last) if self.back_to_channels_last else out
+
+def route(plan, x:Tensor, weight:Tensor, stride:tuple, residual:Tensor|None=None) -> Route:
+    "How a conv of `x` and `weight` at `stride` (then + `residual`) runs under `plan`, so that it never reaches a bad kernel"
+    if not guard_acts(plan, x, weight): return Route(x, weight, stride, residual)
     if plan.workaround == 'subsample':   # 1x1, no padding: stride s is stride 1 on every s-th row and column
         # laid out as `x` (the copy the conv would make of a strided view anyway), so the conv picks the stock layout
         sub = x[:, :, ::stride[0], ::stride[1]].contiguous(memory_format=suggest_memory_format(x))
-        return run(sub, weight, (1, 1), residual)
-    # 'contiguous': this conv alone in nchw (x and a 1x1 weight can keep channels-last strides through .contiguous())
+        return Route(sub, weight, (1, 1), residual)
+    # 'contiguous' (or 'nchw_weight_grad' for a layer): this conv alone in nchw (x and a 1x1 weight can keep
+    # channels-last strides through .contiguous())
     cl = torch.channels_last in (suggest_memory_format(x), suggest_memory_format(weight))   # as the stock conv decides
     nchw = lambda t: t.clone(memory_format=torch.contiguous_format)   # fresh strides: a C=1 tensor is "contiguous" either way
-    out = run(nchw(x), nchw(weight), stride, None if residual is None else nchw(residual))
-    return out.contiguous(memory_format=torch.channels_last) if cl else out
+    return Route(nchw(x), nchw(weight), stride, None if residual is None else nchw(residual), cl)
 
 # %% ../nbs/05_guard.ipynb #1b8c85af
 PREMISE_CACHE = 'premises'   # the `MachineCache` of what each probe measured here
@@ -202,9 +214,9 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/05_guard.ipynb #591ad70c
+# %% ../nbs/05_guard.ipynb #56886ad1
 class GuardedConv2d(AsStock, nn.Conv2d):
-    "A stock `nn.Conv2d` whose conv runs through `guard_conv_call`; pickles as `nn.Conv2d`, without the plan"
+    "A stock `nn.Conv2d` whose conv runs as its plan says (`route`); pickles as `nn.Conv2d`, without the plan"
     _stock_class, _own_attrs = nn.Conv2d, ('_cl_guard',)
     _cl_guard: GuardPlan|None = None   # set by `guard_model`; None: stock, or the short-input route per call
     def _conv_forward(self, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
@@ -213,9 +225,9 @@ class GuardedConv2d(AsStock, nn.Conv2d):
         if plan.workaround == 'nchw_weight_grad':
             if not guard_acts(plan, input, weight): return self._stock_conv(input, weight, bias)
             return weight_grad_in_nchw(self, input, weight, bias)
-        if plan.workaround != 'subsample': run = lambda x, w, stride, res: self._stock_conv(x, w, bias)
-        else: run = lambda x, w, stride, res: F.conv2d(x, w, bias, stride, 0, self.dilation, self.groups)
-        return guard_conv_call(run, input, weight, self.stride, plan)
+        r = route(plan, input, weight, self.stride)
+        if r.stride == self.stride: return r.restore(self._stock_conv(r.x, r.weight, bias))
+        return r.restore(F.conv2d(r.x, r.weight, bias, r.stride, 0, self.dilation, self.groups))   # subsampled
 
     def _stock_conv(self, x, w, b): return nn.Conv2d._conv_forward(self, x, w, b)
 

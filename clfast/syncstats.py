@@ -15,7 +15,7 @@ from .reference import acc_dtype
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/21_syncstats.ipynb #ce28442d
+# %% ../nbs/21_syncstats.ipynb #fac8db96
 def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
     "The name the ops know `pg` by; '' (no synchronization) for None or a group of one rank"
     if pg is None or dist.get_world_size(pg) == 1: return ''
@@ -81,12 +81,12 @@ def _gather_rows(t:Tensor, group:str) -> Tensor:
     every = exchange.gather(t) if exchange is not None else None
     return every if every is not None else _message_rows(t, pg)
 
-def _synced_stats(y:Tensor, group:str, backend) -> tuple[Tensor, Tensor, Tensor]:
+def _synced_stats(y:Tensor, group:str) -> tuple[Tensor, Tensor, Tensor]:
     """Per-channel `(mean, biased var, count)` of `y` over every rank of `group`: each rank's mean, variance
-    (the backend's `batch_stats`) and count all-gathered, then combined in float64 (Chan et al.'s parallel formula;
+    (the `clfast::batch_stats` kernel of `y`'s device) and count all-gathered, then combined in float64 (Chan et al.'s parallel formula;
     counts may differ)"""
     acc, m = acc_dtype(y.dtype), y.numel() // y.shape[1]
-    if m: mean, var = backend.batch_stats(y)
+    if m: mean, var = torch.ops.clfast.batch_stats(y)
     else: mean = var = y.new_zeros(y.shape[1], dtype=acc)   # a rank with an empty batch contributes nothing
     mean_r, var_r, n_r = _gather_rows(torch.stack([mean, var, torch.full_like(mean, m)]).double(), group).unbind(1)
     n = n_r.sum(0)

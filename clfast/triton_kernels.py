@@ -365,7 +365,7 @@ def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift
                     WANT_DRES=want_dres, BLOCK_M=bm, BLOCK_C=bc, C_ALIGN=_align(c), num_warps=_WARPS['dx'])
     return (dy if want_dy else g.new_empty(0)), sdz, sdx, (dres if want_dres else g.new_empty(0))
 
-# %% ../nbs/20_triton_kernels.ipynb #504b98ce
+# %% ../nbs/20_triton_kernels.ipynb #71e2002c
 def _fmt(x:Tensor): return torch.channels_last_3d if x.dim() == 5 else torch.channels_last
 
 def _cl(t:Tensor) -> Tensor:
@@ -383,20 +383,20 @@ def _empty_cl(shape, dtype, device) -> tuple[Tensor, Tensor]:
 
 def _lst(v, n:int) -> list[int]: return [int(v)] * n if isinstance(v, int) else [int(i) for i in v]
 
-def _conv(x, weight, bias, stride, padding, dilation, groups) -> Tensor:
+def _conv(x, weight, bias, geom) -> Tensor:
     "`conv(x)` in channels-last, through ATen; `x` itself for a layer without a conv (`weight` None: BatchNorm alone)"
     if weight is None: return _cl(x)
     n = x.dim() - 2
-    y = torch.ops.aten.convolution(_cl(x), _cl(weight), bias, _lst(stride, n), _lst(padding, n), _lst(dilation, n),
-                                   False, [0] * n, groups)
+    y = torch.ops.aten.convolution(_cl(x), _cl(weight), bias, _lst(geom.stride, n), _lst(geom.padding, n),
+                                   _lst(geom.dilation, n), False, [0] * n, geom.groups)
     return _cl(y)
 
-# %% ../nbs/20_triton_kernels.ipynb #1760382a
+# %% ../nbs/20_triton_kernels.ipynb #bf5495b6
 def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, bn_bias:Tensor|None,
-              residual:Tensor|None, mean:Tensor|None, var:Tensor|None, stride, padding, dilation, groups:int,
-              eps:float, act:int, act_param:float, keep_y:bool, y:Tensor|None=None) -> tuple[Tensor, Tensor, Tensor]:
-    "`(out, y, params)` of `act(bn(conv(x)) [+ residual])`: see `clfast/KERNELS.md`"
-    y = _conv(x, weight, bias, stride, padding, dilation, groups) if y is None or y.numel() == 0 else _cl(y)
+              residual:Tensor|None, mean:Tensor|None, var:Tensor|None, geom, eps:float, act:int, act_param:float,
+              keep_y:bool, y:Tensor|None=None) -> tuple[Tensor, Tensor, Tensor]:
+    "`(out, y, params)` of `act(bn(conv(x)) [+ residual])`, `geom` a `clfast.reference.ConvGeometry`: see `clfast/KERNELS.md`"
+    y = _conv(x, weight, bias, geom) if y is None or y.numel() == 0 else _cl(y)
     yr, c, acc = _rows(y), y.shape[1], _acc(x)
     if (mean is None) != (var is None): raise ValueError("give both mean and var, or neither")
     prm = torch.empty((5, c), dtype=acc, device=y.device)
@@ -417,10 +417,10 @@ def batch_stats(y:Tensor) -> tuple[Tensor, Tensor]:
     "Per-channel `(mean, biased var)` of the conv output `y` (the synchronized layer's statistics)"
     return stats(_rows(_cl(y)))
 
-# %% ../nbs/20_triton_kernels.ipynb #d84b95bf
+# %% ../nbs/20_triton_kernels.ipynb #4336843b
 def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, params:Tensor,
-              residual:Tensor|None, out:Tensor|None, stride, padding, dilation, groups:int, training:bool, act:int,
-              act_param:float, needs, grad_means:Tensor|None=None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              residual:Tensor|None, out:Tensor|None, geom, training:bool, act:int, act_param:float, needs,
+              grad_means:Tensor|None=None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     "`(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual)`, empty where `needs` says so: see `clfast/KERNELS.md`"
     n_dx, n_dw, n_db, n_dg, n_dbeta, n_dres = (bool(b) for b in needs)
     n_db = n_db and bias is not None   # dresidual is wanted even when residual is not passed (the mask came from out)
@@ -428,7 +428,7 @@ def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, 
     want_dy = n_dx or n_dw or n_db
     # y is needed for batch statistics' backward, for dbn_weight, and to recompute z for act'
     need_y = training or n_dg or (int(act) != 0 and not from_out)
-    if need_y and (y is None or y.numel() == 0): y = _conv(x, weight, bias, stride, padding, dilation, groups)
+    if need_y and (y is None or y.numel() == 0): y = _conv(x, weight, bias, geom)
     g = _cl(dout)
     shape, dt = g.shape, g.dtype
     dy, dyr = _empty_cl(shape, dt, g.device) if want_dy else (None, None)
@@ -443,8 +443,8 @@ def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, 
         n = x.dim() - 2
         # x and weight as given: the gradients' layouts are then ATen's, which the op's fake implementation states
         dx, dw, db = torch.ops.aten.convolution_backward(
-            dy, x, weight, None if bias is None else [bias.shape[0]], _lst(stride, n), _lst(padding, n),
-            _lst(dilation, n), False, [0] * n, groups, [n_dx, n_dw, n_db])
+            dy, x, weight, None if bias is None else [bias.shape[0]], _lst(geom.stride, n), _lst(geom.padding, n),
+            _lst(geom.dilation, n), False, [0] * n, geom.groups, [n_dx, n_dw, n_db])
     # absent results are fresh empty tensors: a custom op's outputs may not alias each other
     pick = lambda t, need: t if need and t is not None else dout.new_empty(0)
     return (pick(dx, n_dx), pick(dw, n_dw), pick(db, n_db), pick(sdx, n_dg), pick(sdz, n_dbeta),

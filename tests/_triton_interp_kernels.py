@@ -14,6 +14,7 @@ import pytest, torch
 import torch.nn.functional as F
 from clfast import triton_kernels as tk
 from clfast.act import ACTS
+from clfast.reference import ConvGeometry
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
 DTYPES = [F64, F32, BF16, F16]
@@ -132,8 +133,8 @@ def check_layer(dt, name, p, res, training, keep_y, from_out, *, x_shape=(2, 3, 
     # the backend
     t_out, t_grad = LTOL[dt]
     args = [x, w, cb, gw, gb, r]
-    out, y, prm = tk.layer_fwd(*args, rm, rv, [stride] * nd, [padding] * nd, [dilation] * nd, groups, eps, act.code,
-                               p, keep_y)
+    geom = ConvGeometry([stride] * nd, [padding] * nd, [dilation] * nd, groups)
+    out, y, prm = tk.layer_fwd(*args, rm, rv, geom, eps, act.code, p, keep_y)
     assert out.dtype == dt and out.shape == y_shape and (nd == 1 or out.is_contiguous(memory_format=fmt))
     assert prm.dtype == acc and prm.shape == (5, c) and prm.is_contiguous()
     _close(out, out64.detach(), t_out, 'out')
@@ -146,8 +147,8 @@ def check_layer(dt, name, p, res, training, keep_y, from_out, *, x_shape=(2, 3, 
 
     if from_out: assert act.grad_from_out(p)
     needs = [n and t is not None for n, t in zip(needs, args)]         # as the op asks: nothing for absent tensors
-    grads = tk.layer_bwd(dout, x, w, cb, y, prm, r, out if from_out else out.new_empty(0), [stride] * nd,
-                         [padding] * nd, [dilation] * nd, groups, training, act.code, p, needs)
+    grads = tk.layer_bwd(dout, x, w, cb, y, prm, r, out if from_out else out.new_empty(0), geom, training, act.code, p,
+                         needs)
     assert len(grads) == 6
     names = ['dx', 'dweight', 'dbias', 'dbn_weight', 'dbn_bias', 'dresidual']
     for nm, got, ref, need, src in zip(names, grads, g64, needs, args):

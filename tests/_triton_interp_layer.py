@@ -13,8 +13,17 @@ from clfast.act import ACTS
 from clfast.fuse import fuse_conv_bn, fusion_report
 from test_fused import pair, compare, act_param
 
-def test_backend_is_triton():
-    assert ops.kernel_backend('cpu') is triton_kernels
+def test_cpu_kernels_are_tritons():
+    "The CPU's kernel ops run the Triton kernels (CLFAST_KERNELS=triton), and the layer really reaches them"
+    assert ops.kernels_ready()
+    cpu = next(l for l in torch._C._dispatch_dump('clfast::layer_fwd').splitlines() if l.startswith('CPU:'))
+    assert 'clfast/ops.py' in cpu, cpu
+    calls = []
+    real = triton_kernels.layer_fwd
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_kernels, 'layer_fwd', lambda *a, **k: calls.append(1) or real(*a, **k))
+        ops.fused_conv_bn(torch.randn(2, 3, 4, 4), torch.randn(5, 3, 1, 1), None, None, None, None, None, None, True, 0.1, 1e-5)
+    assert calls == [1]
 
 @pytest.mark.parametrize('act', list(ACTS))
 @pytest.mark.parametrize('mode', ['speed', 'memory'])

@@ -1,4 +1,4 @@
-"""The C++ CPU backend (`clfast.cpu_kernels`: `layer_fwd` / `layer_bwd`, the contract of clfast/KERNELS.md) against an
+"""The C++ CPU kernels (`clfast.cpu_kernels`: `layer_fwd` / `layer_bwd`, the contract of clfast/KERNELS.md) against an
 fp64 oracle built from stock PyTorch: F.conv2d -> F.batch_norm -> (+ residual) -> `ACTS[name].fn`, with autograd."""
 import math
 import pytest, torch
@@ -11,10 +11,11 @@ pytestmark = pytest.mark.skipif(bool(cpu_kernels.missing_toolchain()), reason=st
 
 @pytest.fixture(scope='module')
 def k():
-    "The backend, run on one thread: these shapes are tiny, and on a busy machine waking a thread pool per op costs far more than the work"
+    "The kernel ops, whose CPU kernels are the C++ ones, run on one thread: these shapes are tiny, and on a busy machine waking a thread pool per op costs far more than the work"
     n = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield cpu_kernels.load()
+    cpu_kernels.load()
+    yield torch.ops.clfast
     torch.set_num_threads(n)
 
 # every activation; leaky_relu with a positive and a negative slope

@@ -9,16 +9,12 @@ from clfast.act import ACTS
 from clfast.fused import FusedConvBN2d, conv_bn_act
 from clfast.guard import guard_model
 from clfast import cpu_kernels, ops
-from clfast.ops import kernel_backend, REFERENCE
 
 PATHS = ['kernel', 'ref']
 
-@contextlib.contextmanager
 def cpu_path(path):
-    "'kernel': the device's backend (the C++ kernels on the CPU, where they build); 'ref': the pure-PyTorch backend"
-    if path == 'kernel': yield
-    else:
-        with mock.patch.dict('os.environ', {'CLFAST_KERNELS': 'ref'}): yield
+    "'kernel': the device's kernels (the C++ ones on the CPU, where they build); 'ref': the pure-PyTorch ones"
+    return contextlib.nullcontext() if path == 'kernel' else ops.cpu_kernels_from('ref')
 
 ACT_NAMES = list(ACTS)
 def act_param(act): return {'leaky_relu': 0.1}.get(act, 0.)
@@ -249,9 +245,9 @@ def test_torch_compile_fullgraph(mode):
 
 @pytest.mark.parametrize('path', PATHS)
 def test_layer_is_one_op(path):
-    """Whatever the backend, a fused layer is one autograd node, one call of clfast::conv_bn_act and one of its
-    backward: in eager mode the C++ step's (CPU kernels) or the op's Python bodies, named so in the profiler; under a
-    dispatch mode the registered ops"""
+    """Whatever the kernels, a fused layer is one autograd node (C++'s), one call of clfast::conv_bn_act, its backward
+    and the running statistics' update, named so in the profiler, each calling its kernel op once; under a dispatch
+    mode (what a tracer sees) the kernel ops"""
     class Ops(TorchDispatchMode):   # what a tracer sees: the ops the dispatcher runs
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             seen.append(str(func.overloadpacket))
@@ -262,14 +258,13 @@ def test_layer_is_one_op(path):
         with cpu_path(path), torch.profiler.profile() as prof, mode():
             out = f(x)
             node = out.grad_fn.name()
-            eager = 'CppNode<clfast_cpu::ConvBnAct>' if path == 'kernel' and kernel_backend('cpu') is not REFERENCE else '_ConvBnActBackward'
-            assert (eager in node) if mode is contextlib.nullcontext else ('clfast_conv_bn_act' in node), node
+            assert node == 'torch::autograd::CppNode<clfast::ConvBnAct>', node
             assert {n[0].name() for n in out.grad_fn.next_functions if n[0]} == {'torch::autograd::AccumulateGrad'}
             out.sum().backward()
         # eager: the profiler's events; under the mode: the dispatched ops (the profiler records those twice, outer and inner)
         names = [e.name.replace('::', '.') for e in prof.events()] if mode is contextlib.nullcontext else seen
-        for op in ('clfast.conv_bn_act', 'clfast.conv_bn_act_backward', 'clfast.bn_update_running'):
-            assert names.count(op) == 1, (mode, op)
+        ops_seen = ('clfast.conv_bn_act', 'clfast.conv_bn_act_backward', 'clfast.bn_update_running') if mode is contextlib.nullcontext else ()
+        for op in ops_seen + ('clfast.layer_fwd', 'clfast.layer_bwd'): assert names.count(op) == 1, (mode, op, names)
         assert f.bn.num_batches_tracked == 1 and x.grad is not None
 
 def test_jit_trace_records_the_op():

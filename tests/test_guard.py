@@ -7,7 +7,7 @@ from hypothesis import given, settings, example, strategies as st
 from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam
 import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import guard, check
-from clfast.guard import (KNOWN_BAD_KERNELS, GuardedConv2d, guard_conv_call, guard_model, unguard_model, guard_report,
+from clfast.guard import (KNOWN_BAD_KERNELS, GuardedConv2d, route, guard_model, unguard_model, guard_report,
                           onednn_isa, bad_kernels_for, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD,
                           GuardPlan, IMPRECISE_CL_BATCH_NORM, short_input_slower, weight_grad_in_nchw)
 from clfast.bn import PreciseBatchNorm2d
@@ -31,7 +31,7 @@ def run_child(code:str, env:dict|None=None) -> subprocess.CompletedProcess:
 # the thin 1x1 stride-2 conv of oneDNN issue 6035, weight gradient against fp64, 8 seeds; prints the worst relative error
 WGRAD_VS_FP64 = '''
 import torch, torch.nn.functional as F, sys
-from clfast.guard import GuardPlan, guard_conv_call
+from clfast.guard import GuardPlan, route
 guarded = sys.argv[1] == 'guarded'
 worst = 0.
 for seed in range(8):
@@ -39,9 +39,9 @@ for seed in range(8):
     x = torch.randn(2, 3, 8, 8, generator=g); w = torch.randn(4, 3, 1, 1, generator=g); dy = torch.randn(2, 4, 4, 4, generator=g)
     w64 = w.double().requires_grad_(); F.conv2d(x.double(), w64, None, 2).backward(dy.double())
     wc = w.to(memory_format=torch.channels_last).requires_grad_()
-    run = lambda x, w, stride, res: F.conv2d(x, w, None, stride)
     plan = GuardPlan('subsample', True, 'test') if guarded else None
-    y = guard_conv_call(run, x.to(memory_format=torch.channels_last), wc, (2, 2), plan)
+    r = route(plan, x.to(memory_format=torch.channels_last), wc, (2, 2))
+    y = r.restore(F.conv2d(r.x, r.weight, None, r.stride))
     y.backward(dy.contiguous(memory_format=torch.channels_last))
     worst = max(worst, ((wc.grad.double() - w64.grad).abs().max() / w64.grad.abs().max()).item())
 print('WORST', worst)

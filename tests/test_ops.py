@@ -1,6 +1,6 @@
-"""Tests of `clfast.ops`: the fused layer's op (`clfast::conv_bn_act` + backward) through every backend that can run
-here (C++ on the CPU, the pure-PyTorch reference, Triton interpreted in a subprocess, CUDA when present) against the
-fp64 oracle: stock conv -> batch_norm -> (+ residual) -> activation, differentiated by autograd."""
+"""Tests of `clfast.ops`: the fused layer's op (`clfast::conv_bn_act`) over every kernel set that can run here (C++ on
+the CPU, the pure-PyTorch reference, Triton interpreted in a subprocess, CUDA when present) against the fp64 oracle:
+stock conv -> batch_norm -> (+ residual) -> activation, differentiated by autograd."""
 import contextlib, os, subprocess, sys, textwrap
 from pathlib import Path
 from unittest import mock
@@ -8,6 +8,7 @@ import pytest, torch
 import torch.nn.functional as F
 from clfast import ops, cpu_kernels
 from clfast.act import ACTS
+from clfast.reference import ConvGeometry
 
 ROOT = Path(__file__).parent.parent
 # outputs / gradients, relative to the tensor's scale
@@ -23,12 +24,9 @@ def _env(**kw):
     env.update(kw)
     return env
 
-@contextlib.contextmanager
 def backend(name):
-    "'kernel': the device's own backend; 'ref': the pure-PyTorch one"
-    if name == 'kernel': yield
-    else:
-        with mock.patch.dict('os.environ', {'CLFAST_KERNELS': 'ref'}): yield
+    "'kernel': the device's own kernels; 'ref': the pure-PyTorch ones"
+    return contextlib.nullcontext() if name == 'kernel' else ops.cpu_kernels_from('ref')
 
 def oracle(x, w, b, bw, bb, res, rm, rv, training, act, p, stride=1, padding=1, round_to=None):
     """The stock composition, in whatever dtype its inputs are (fp64 for the oracle). With `round_to` the conv output is
@@ -78,7 +76,7 @@ def check(dt, act, p, res, training, keep_y, affine=True, bias=True, shape=(2, 6
     grm, grv = rm.to(device, pdt, copy=True), rv.to(device, pdt, copy=True)
     nbt = torch.zeros((), dtype=torch.long, device=device)
     out = ops.fused_conv_bn(got_in[0], got_in[1], gb, gbw, gbb, grm, grv, nbt,
-                            training, 0.1, 1e-5, (1, 1), (1, 1), (1, 1), 1, gr, act, p, keep_y)
+                            training, 0.1, 1e-5, ConvGeometry(padding=(1, 1)), gr, act, p, keep_y)
     assert out.dtype == dt and out.is_contiguous(memory_format=torch.channels_last)
     assert out._base is None, "a backend's output must not be a view (the next module may modify it in place)"
     tout, tgrad = TOL[dt]
@@ -117,11 +115,34 @@ def test_low_precision(dt, act, p, which):
         check(dt, act, p, True, True, True, shape=(3, 8, 6, 6), cout=16)
         check(dt, act, p, False, False, False, affine=False, bias=False, shape=(3, 8, 6, 6), cout=16)
 
+def _cpu_kernel_of(op:str) -> str:
+    "Where the active CPU kernel of `clfast::op` was registered (the dispatcher's own record)"
+    line = next(l for l in torch._C._dispatch_dump(f'clfast::{op}').splitlines() if l.startswith('CPU:'))
+    return line.split('registered at ')[1].split(' ')[0]
+
 def test_uses_cpp_kernel():
-    "The CPU dispatch really runs the C++ backend (not the reference) when a compiler is present"
+    "The CPU's kernels are the C++ ones when a compiler is present, and the layer's autograd node is C++'s"
     if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
-    k = ops.kernel_backend('cpu')
-    assert k is not ops.REFERENCE and k.layer_fwd is torch.ops.clfast_cpu.layer_fwd
+    assert ops.kernels_ready()
+    for op in ('layer_fwd', 'layer_bwd', 'batch_stats'): assert 'csrc/conv_bn_act.cpp' in _cpu_kernel_of(op)
+    out = ops.fused_conv_bn(torch.randn(2, 3, 4, 4, requires_grad=True), torch.randn(5, 3, 1, 1), None, None, None,
+                            None, None, None, True, 0.1, 1e-5)
+    assert out.grad_fn.name() == 'torch::autograd::CppNode<clfast::ConvBnAct>'
+
+def test_cpu_kernels_from():
+    "Inside the block the CPU runs the named kernel set (here the reference's), after it the C++ kernels again"
+    calls = []
+    ref = ops.REFERENCE.layer_fwd
+    args = (torch.randn(2, 3, 4, 4), torch.randn(5, 3, 1, 1), None, None, None, None, None, None, True, 0.1, 1e-5)
+    with mock.patch.object(ops.REFERENCE, 'layer_fwd', lambda *a, **k: calls.append(1) or ref(*a, **k)):
+        with ops.cpu_kernels_from('ref'):
+            assert 'clfast/ops.py' in _cpu_kernel_of('layer_fwd')
+            ops.fused_conv_bn(*args)
+        assert calls == [1]
+        ops.fused_conv_bn(*args)
+        assert calls == [1]
+    if not cpu_kernels.missing_toolchain(): assert 'csrc/conv_bn_act.cpp' in _cpu_kernel_of('layer_fwd')
+    with pytest.raises(ValueError, match="one of \\('ref', 'triton'\\)"): ops.cpu_kernels_from('cuda').__enter__()
 
 def _op_args(keep_y=True, res=True, training=True, act=1):
     cl = torch.channels_last
@@ -132,15 +153,27 @@ def _op_args(keep_y=True, res=True, training=True, act=1):
     mean, var = (None, None) if training else (torch.randn(4), torch.rand(4) + .5)
     return (x, w, b, bw, bb, r, mean, var, [1, 1], [1, 1], [1, 1], 1, 1e-5, act, 0.1, keep_y)
 
+def _layer_args(res=True, training=True, act=1, momentum=0.1, keep_y=True, requires_grad=True):
+    x, w, b, bw, bb, r, _, _, *geom, eps, act, p, keep_y = _op_args(keep_y, res, training, act)
+    rm, rv, nbt = torch.randn(4), torch.rand(4) + .5, torch.zeros((), dtype=torch.long)
+    grad = lambda t: t if t is None or not requires_grad else t.requires_grad_()
+    return (grad(x), grad(w), grad(b), grad(bw), grad(bb), grad(r), rm, rv, nbt, training, momentum, eps, *geom, act, p,
+            keep_y)
+
+def _bwd_args(keep_y=True, res=True, training=True, act=1, needs=(True,) * 6):
+    x, w, b, bw, bb, r, mean, var, *geom, eps, act, p, keep_y = _op_args(keep_y, res, training, act)
+    out, y, params = torch.ops.clfast.layer_fwd(x, w, b, bw, bb, r, mean, var, *geom, eps, act, p, keep_y)
+    return (torch.randn_like(out), x, w, b, y, params, r, torch.empty(0), *geom, training, act, p, list(needs))
+
 @pytest.mark.parametrize('kw', [{}, dict(keep_y=False), dict(res=False, training=False), dict(act=4, res=True)])
 def test_opcheck(kw):
-    "Schema, fake implementation, autograd registration and dispatch pass torch.library.opcheck"
-    torch.library.opcheck(ops.conv_bn_act_op, _op_args(**kw))
-
-def test_bn_update_running_opcheck():
-    rm, rv, nbt = torch.zeros(4), torch.ones(4), torch.zeros((), dtype=torch.long)
-    torch.library.opcheck(ops.bn_update_running_op, (rm, rv, nbt, torch.rand(5, 4), None))
-    torch.library.opcheck(ops.bn_update_running_op, (rm, rv, None, torch.rand(5, 4), 0.1))
+    "The kernel ops' schemas, fakes and dispatch pass torch.library.opcheck; so does the layer (its C++ autograd)"
+    ops.kernels_ready()
+    torch.library.opcheck(torch.ops.clfast.layer_fwd.default, _op_args(**kw))
+    torch.library.opcheck(torch.ops.clfast.layer_bwd.default, _bwd_args(**kw))
+    torch.library.opcheck(torch.ops.clfast.batch_stats.default, (_op_args()[0],))
+    for momentum in (0.1, None):
+        torch.library.opcheck(torch.ops.clfast.conv_bn_act.default, _layer_args(**kw, momentum=momentum))
 
 def test_cumulative_average():
     "momentum=None: the running statistics are the plain average over the batches seen, as BatchNorm2d's"
@@ -149,7 +182,7 @@ def test_cumulative_average():
     w = torch.randn(3, 2, 1, 1)
     for _ in range(3):
         x = torch.randn(4, 2, 3, 3)
-        ops.fused_conv_bn(x, w, None, None, None, rm, rv, nbt, True, None, 1e-5, (1, 1), (0, 0), (1, 1), 1)
+        ops.fused_conv_bn(x, w, None, None, None, rm, rv, nbt, True, None, 1e-5)
         bn(F.conv2d(x, w))
     torch.testing.assert_close(rm, bn.running_mean); torch.testing.assert_close(rv, bn.running_var)
     assert nbt == bn.num_batches_tracked == 3
@@ -158,33 +191,28 @@ def test_bad_input():
     x, w = torch.randn(2, 3, 4, 4), torch.randn(5, 3, 3, 3)
     args = lambda **kw: dict(dict(x=x, weight=w, bias=None, bn_weight=None, bn_bias=None, running_mean=None,
                                   running_var=None, num_batches_tracked=None, training=True, momentum=0.1, eps=1e-5,
-                                  stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=1), **kw)
+                                  geometry=ConvGeometry(padding=(1, 1))), **kw)
     with pytest.raises(ValueError, match='4D input'): ops.fused_conv_bn(**args(x=torch.randn(3, 4, 4)))
     with pytest.raises(ValueError, match='residual shape'): ops.fused_conv_bn(**args(residual=torch.randn(2, 5, 4, 5)))
-    with pytest.raises(ValueError, match='more than 1 value'): ops.fused_conv_bn(**args(x=torch.randn(1, 3, 1, 1), padding=(0, 0), weight=torch.randn(5, 3, 1, 1)))
+    with pytest.raises(ValueError, match='more than 1 value'): ops.fused_conv_bn(**args(x=torch.randn(1, 3, 1, 1), geometry=ConvGeometry(), weight=torch.randn(5, 3, 1, 1)))
     with pytest.raises(ValueError, match='unknown activation'): ops.fused_conv_bn(**args(act='mish'))
 
 def test_no_double_backward():
     x = torch.randn(2, 3, 4, 4, requires_grad=True)
     out = ops.fused_conv_bn(x, torch.randn(5, 3, 3, 3), None, None, None, None, None, None, True, 0.1, 1e-5,
-                            (1, 1), (1, 1), (1, 1), 1, act='silu')
+                            ConvGeometry(padding=(1, 1)), act='silu')
     with pytest.raises(RuntimeError, match='no double backward'):
         torch.autograd.grad(out.square().sum(), x, create_graph=True)
 
-def test_ref_env_forces_reference(monkeypatch):
-    monkeypatch.setenv('CLFAST_KERNELS', 'ref')
-    assert ops.kernel_backend('cpu') is ops.REFERENCE
-
-def test_register_backend():
-    "A registered device's loader runs once, on first use; one that raises falls back to the reference, warning once"
-    calls = []
-    def loader(): calls.append(1); raise RuntimeError('no such kernels')
-    ops.register_backend('xla_test', loader)
-    with pytest.warns(UserWarning, match='no xla_test kernels'): assert ops.kernel_backend('xla_test') is ops.REFERENCE
-    assert ops.kernel_backend('xla_test') is ops.REFERENCE and calls == [1]
+def test_ref_env_serves_the_cpu_with_the_reference():
+    "CLFAST_KERNELS=ref: the whole process's CPU kernels are the reference's"
+    code = ("from clfast import ops; import torch; ops.kernels_ready(); "
+            "print(next(l for l in torch._C._dispatch_dump('clfast::layer_bwd').splitlines() if l.startswith('CPU:')))")
+    p = subprocess.run([sys.executable, '-c', code], env=_env(CLFAST_KERNELS='ref'), capture_output=True, text=True)
+    assert p.returncode == 0 and 'ops.py' in p.stdout and 'conv_bn_act.cpp' not in p.stdout, p.stdout + p.stderr
 
 def test_no_compiler_falls_back_with_one_warning(tmp_path):
-    "Without a C++ compiler the fused layer still works, on the pure-PyTorch path, after exactly one warning"
+    "Without a C++ compiler the fused layer still works, as its stock modules, after exactly one warning"
     code = textwrap.dedent("""
         import warnings, torch
         from clfast import cpu_kernels
@@ -195,7 +223,7 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
             warnings.simplefilter('always')
             for _ in range(3): f(torch.randn(2, 3, 5, 5)).sum().backward()
         msgs = [str(w.message) for w in ws if 'clfast' in str(w.message)]
-        assert len(msgs) == 1 and 'pure-PyTorch' in msgs[0], msgs
+        assert len(msgs) == 1 and 'run as their stock modules' in msgs[0] and 'compiler' in msgs[0], msgs
         print('OK')""")
     p = subprocess.run([sys.executable, '-c', code], env=_env(CXX=str(tmp_path/'no-such-c++'),
                        TORCH_EXTENSIONS_DIR=str(tmp_path/'ext')), capture_output=True, text=True)
@@ -238,14 +266,14 @@ def test_triton_interpreted_layer():
 @pytest.mark.parametrize('act,p', ACT_CASES)
 def test_against_fp64_cuda(dt, act, p):
     "CUDA dispatch (Triton kernels) matches the fp64 oracle"
-    assert ops.kernel_backend('cuda') is not ops.REFERENCE
     for res, training, keep_y in [(True, True, True), (False, False, False)]:
         check(dt, act, p, res, training, keep_y, device='cuda', shape=(4, 16, 9, 9), cout=70)
 
 @pytest.mark.cuda
 def test_opcheck_cuda():
     to = lambda a: tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in a)
-    torch.library.opcheck(ops.conv_bn_act_op, to(_op_args()))
+    torch.library.opcheck(torch.ops.clfast.layer_fwd.default, to(_op_args()))
+    torch.library.opcheck(torch.ops.clfast.conv_bn_act.default, to(_layer_args()))
 
 @pytest.mark.parametrize('act,res,training', [('relu', True, True), ('silu', False, False), ('leaky_relu', True, False),
                                               ('gelu_tanh', False, True)])
@@ -258,8 +286,8 @@ def test_gradcheck_fp64(act, res, training, which, device='cpu'):
     bw, bb = (torch.rand(4, **kw) + .5).requires_grad_(), torch.randn(4, **kw, requires_grad=True)
     r = torch.randn(2, 4, 4, 4, **kw, requires_grad=True) if res else None
     rm, rv = torch.randn(4, **kw), torch.rand(4, **kw) + .5
-    f = lambda x, w, bw, bb, *r: ops.fused_conv_bn(x, w, None, bw, bb, rm, rv, None, training, 0., 1e-5, (1, 1),
-                                                   (1, 1), (1, 1), 1, r[0] if r else None, act, 0.1)
+    f = lambda x, w, bw, bb, *r: ops.fused_conv_bn(x, w, None, bw, bb, rm, rv, None, training, 0., 1e-5,
+                                                   ConvGeometry(padding=(1, 1)), r[0] if r else None, act, 0.1)
     with backend(which): assert torch.autograd.gradcheck(f, (x, w, bw, bb, *([r] if res else [])))
 
 @pytest.mark.cuda

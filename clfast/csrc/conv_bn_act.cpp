@@ -2,9 +2,10 @@
 // `layer_bwd`, each a whole layer in one op: the conv (oneDNN through ATen) and the bn_act.cpp kernels. Per layer and
 // direction they make two to four tensor-op calls (the conv, the allocations) where Python glue made a dozen: right
 // after a conv every such call is slow (cold caches), and on a CPU ResNet-50 step they cost about what the kernels
-// saved. Per-channel values are computed in plain loops, not with [C] tensor ops. No autograd here: the
-// `clfast::conv_bn_act` op (clfast/ops.py) owns the graph and BatchNorm's running statistics; these are called below
-// autograd and autocast (the caller has cast the dtypes). Also registers every `clfast_cpu` op.
+// saved. Per-channel values are computed in plain loops, not with [C] tensor ops. They are the CPU kernels of the
+// `clfast::layer_fwd`, `clfast::layer_bwd` and `clfast::batch_stats` ops (declared in clfast/ops.py); no autograd
+// here: the `clfast::conv_bn_act` op (layer_op.cpp) owns the graph and BatchNorm's running statistics, and calls these
+// below autograd and autocast (it has cast the dtypes). Also registers the CPU-only `clfast_cpu` utility ops.
 #include "act.h"  // first: simd.h picks the CPU capability of ATen's vec headers
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,7 +23,6 @@
 #include <tuple>
 #include <vector>
 #include "bn_act.h"
-#include "layer.h"
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
@@ -43,6 +43,15 @@ Tensor conv(const Tensor& x, const OptTensor& w, const OptTensor& b, const Geome
 Tensor channels_last(const Tensor& t) {
   if (clfast_cpu::is_rows(t)) return t;
   return t.contiguous(t.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast);
+}
+
+// `g` laid out as `like`: channels-last when `like` is (and is not also contiguous), else contiguous. ATen's CPU conv
+// backward may return a channels-last weight gradient for a contiguous weight; the kernels' rule (KERNELS.md, and the
+// fakes) is the inputs' layouts.
+Tensor layout_like(const Tensor& g, const Tensor& like) {
+  if (!g.defined() || g.numel() == 0) return g;
+  const bool cl = like.dim() == 4 && like.is_contiguous(at::MemoryFormat::ChannelsLast) && !like.is_contiguous();
+  return g.contiguous(cl ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous);
 }
 
 // Per-channel values of an optional [C] tensor as doubles (`dflt` where absent), without tensor-op calls
@@ -81,22 +90,22 @@ std::tuple<Tensor, Tensor, Tensor> layer_fwd(
     at::IntArrayRef padding, at::IntArrayRef dilation, int64_t groups, double eps, int64_t act, double act_param,
     bool keep_y, const OptTensor& y_given) {
   Guards guards;
-  TORCH_CHECK_VALUE(x.dim() == 4 || x.dim() == 5, "clfast_cpu.layer_fwd: expected 4D (or 5D) input, got ", x.dim(), "D");
-  TORCH_CHECK_VALUE(given(mean) == given(var), "clfast_cpu.layer_fwd: give both mean and var, or neither");
+  TORCH_CHECK_VALUE(x.dim() == 4 || x.dim() == 5, "clfast::layer_fwd (CPU): expected 4D (or 5D) input, got ", x.dim(), "D");
+  TORCH_CHECK_VALUE(given(mean) == given(var), "clfast::layer_fwd (CPU): give both mean and var, or neither");
   check_dtype(weight, x, "weight"); check_dtype(bias, x, "bias"); check_dtype(residual, x, "residual");
   check_dtype(y_given, x, "y");
   // the caller may have run the conv already (synchronized statistics need it before normalising)
   const Tensor y = given(y_given) ? channels_last(*y_given)
                                   : channels_last(conv(x, weight, bias, {stride, padding, dilation, groups}));
   const int64_t c = y.size(1), m = y.numel() / c;
-  TORCH_CHECK_VALUE(!given(residual) || residual->sizes() == y.sizes(), "clfast_cpu.layer_fwd: residual shape ",
+  TORCH_CHECK_VALUE(!given(residual) || residual->sizes() == y.sizes(), "clfast::layer_fwd (CPU): residual shape ",
                     residual->sizes(), " must equal the conv output's ", y.sizes());
   std::vector<double> mu(c), va(c);
   if (given(mean)) {
     mu = doubles(mean, c, 0.0, "mean");
     va = doubles(var, c, 1.0, "var");
   } else {
-    TORCH_CHECK_VALUE(m > 0, "clfast_cpu.layer_fwd: batch statistics need at least one value per channel");
+    TORCH_CHECK_VALUE(m > 0, "clfast::layer_fwd (CPU): batch statistics need at least one value per channel");
     clfast_cpu::stats(y, c, mu.data(), va.data());
   }
   const std::vector<double> w = doubles(bn_weight, c, 1.0, "bn_weight"), bb = doubles(bn_bias, c, 0.0, "bn_bias");
@@ -337,7 +346,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
   const int64_t c = y.size(1);
   const auto acc = acc_type(y.scalar_type());
   TORCH_CHECK_VALUE(params.dim() == 2 && params.size(0) == 5 && params.size(1) == c && params.is_contiguous() &&
-                    params.scalar_type() == acc, "clfast_cpu.layer_bwd: params must be layer_fwd's contiguous [5, C] ",
+                    params.scalar_type() == acc, "clfast::layer_bwd (CPU): params must be layer_fwd's contiguous [5, C] ",
                     acc, " tensor");
   const Tensor g = channels_last(dout);
   const bool from_out = out.defined() && out.numel() > 0;
@@ -355,7 +364,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
   if (given(grad_means)) {
     TORCH_CHECK_VALUE(grad_means->dim() == 2 && grad_means->size(0) == 2 && grad_means->size(1) == c &&
                       grad_means->is_contiguous() && grad_means->scalar_type() == acc,
-                      "clfast_cpu.layer_bwd: grad_means must be a contiguous [2, C] ", acc, " tensor");
+                      "clfast::layer_bwd (CPU): grad_means must be a contiguous [2, C] ", acc, " tensor");
     const char* gm = static_cast<const char*>(grad_means->const_data_ptr());
     a.mean_dz = gm; a.mean_dzx = gm + row;
   }
@@ -370,7 +379,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> layer_bwd(
   if (dy.defined() && !given(weight)) dx = dy;  // no conv: y is x
   else if (dy.defined()) std::tie(dx, dw, db) = conv_backward(dy, x, *weight, bias, geom, nx, nw, nb);
   auto or_empty = [&](const Tensor& t, const Tensor& like) { return t.defined() ? t : at::empty({0}, like.options()); };
-  return {or_empty(dx, x), or_empty(dw, x), or_empty(db, x), or_empty(dbn_w, params), or_empty(dbn_b, params),
+  return {or_empty(layout_like(dx, x), x), or_empty(given(weight) ? layout_like(dw, *weight) : dw, x), or_empty(db, x), or_empty(dbn_w, params), or_empty(dbn_b, params),
           or_empty(dres, x)};
 }
 
@@ -382,10 +391,10 @@ namespace {
 // layer gathers from every rank before normalising (clfast/KERNELS.md)
 std::tuple<Tensor, Tensor> batch_stats(const Tensor& y_in) {
   Guards guards;
-  TORCH_CHECK_VALUE(y_in.dim() >= 2, "clfast_cpu.batch_stats: expected an N,C,... tensor, got ", y_in.dim(), "D");
+  TORCH_CHECK_VALUE(y_in.dim() >= 2, "clfast::batch_stats (CPU): expected an N,C,... tensor, got ", y_in.dim(), "D");
   const Tensor y = channels_last(y_in);
   const int64_t c = y.size(1), m = y.numel() / std::max<int64_t>(c, 1);
-  TORCH_CHECK_VALUE(m > 0, "clfast_cpu.batch_stats: needs at least one value per channel");
+  TORCH_CHECK_VALUE(m > 0, "clfast::batch_stats (CPU): needs at least one value per channel");
   std::vector<double> mu(c), va(c);
   clfast_cpu::stats(y, c, mu.data(), va.data());
   const auto opts = y.options().dtype(acc_type(y.scalar_type()));
@@ -406,19 +415,12 @@ std::tuple<std::string, int64_t> simd_info() {
 }  // namespace
 
 TORCH_LIBRARY(clfast_cpu, m) {
-  m.def("layer_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, Tensor? residual, "
-        "Tensor? mean, Tensor? var, int[] stride, int[] padding, int[] dilation, int groups, float eps, int act, "
-        "float act_param, bool keep_y, Tensor? y=None) -> (Tensor out, Tensor y, Tensor params)");
-  m.def("layer_bwd(Tensor dout, Tensor x, Tensor? weight, Tensor? bias, Tensor y, Tensor params, Tensor? residual, "
-        "Tensor out, int[] stride, int[] padding, int[] dilation, int groups, bool training, int act, "
-        "float act_param, bool[6] needs, Tensor? grad_means=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("batch_stats(Tensor y) -> (Tensor mean, Tensor var)");
   m.def("simd_info() -> (str capability, int float_lanes)", &simd_info);
   m.def("set_gemm_backward(int how) -> int", &set_gemm_backward);
   m.def("gemm_backward_choices() -> (Tensor rows, str[] dtypes)", &gemm_backward_choices);
 }
 
-TORCH_LIBRARY_IMPL(clfast_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(clfast, CPU, m) {  // the schemas: clfast/ops.py
   m.impl("layer_fwd", &clfast_cpu::layer_fwd);
   m.impl("layer_bwd", &clfast_cpu::layer_bwd);
   m.impl("batch_stats", &batch_stats);

@@ -1,0 +1,239 @@
+// The fused layer's op, `clfast::conv_bn_act` (its schema, with every other clfast op's: clfast/ops.py): one
+// training or inference step of act(bn(conv(x)) [+ residual]) with BatchNorm2d's semantics, on every device. It is
+// CompositeImplicitAutograd: what runs is the C++ autograd node below around the three kernel ops, `clfast::layer_fwd`,
+// `clfast::layer_bwd` and `clfast::batch_stats` (clfast/KERNELS.md), each registered per dispatch key (CPU:
+// conv_bn_act.cpp; CUDA: Triton, Meta: fakes, any other device: the pure-PyTorch reference, from ops.py). Then
+// BatchNorm's running statistics are updated. Whatever traces (torch.compile, export) sees the kernel ops.
+// Synchronized statistics (a process group's name in `group`) call two Python ops, `clfast::synced_stats` and
+// `clfast::synced_grad_means` (clfast/syncstats.py: the collectives).
+// Why C++: between a module's forward and the kernels there is no Python, in either direction. The Python autograd
+// formula this replaced cost about 110 us per layer forward + backward: more than the BatchNorm kernels at
+// efficientnet_b0's late shapes, and 2-15% of a whole resnet50/efficientnet_b0 step (BENCHMARKS.md).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+#include <array>
+#include <optional>
+#include <string>
+#include <vector>
+#include "act.h"
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+namespace {
+
+bool given(const OptTensor& t) { return t.has_value() && t->defined(); }
+// Whether `t` has no elements (an absent result or the 'memory' mode's y). Sizes may be symbolic (torch.compile with
+// dynamic shapes): the comparison then guards, always on a literal 0 or a batch's size
+bool no_elements(const Tensor& t) { return t.sym_numel() == 0; }
+OptTensor opt(const Tensor& t) { return t.defined() ? OptTensor(t) : OptTensor(); }
+
+// The conv's geometry, as `aten.convolution` takes it (ConvGeometry in Python)
+struct Geometry {
+  std::vector<int64_t> stride, padding, dilation;
+  int64_t groups;
+};
+
+// The ops this one is made of, called through the dispatcher (so each device's kernel runs, and tracing sees them)
+template <class Sig>
+c10::TypedOperatorHandle<Sig> op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+using Tensors3 = std::tuple<Tensor, Tensor, Tensor>;
+using Tensors6 = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>;
+
+Tensors3 layer_fwd(const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& bn_weight,
+                   const OptTensor& bn_bias, const OptTensor& residual, const OptTensor& mean, const OptTensor& var,
+                   const Geometry& g, double eps, int64_t act, double act_param, bool keep_y, const OptTensor& y) {
+  static const auto k = op<Tensors3(const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                                    const OptTensor&, const OptTensor&, const OptTensor&, at::IntArrayRef, at::IntArrayRef,
+                                    at::IntArrayRef, int64_t, double, int64_t, double, bool, const OptTensor&)>(
+      "clfast::layer_fwd");
+  return k.call(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g.stride, g.padding, g.dilation, g.groups, eps,
+                act, act_param, keep_y, y);
+}
+
+Tensors6 layer_bwd(const Tensor& dout, const Tensor& x, const OptTensor& weight, const OptTensor& bias, const Tensor& y,
+                   const Tensor& params, const OptTensor& residual, const Tensor& out, const Geometry& g, bool training,
+                   int64_t act, double act_param, std::array<bool, 6> needs, const OptTensor& grad_means) {
+  static const auto k = op<Tensors6(const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, const Tensor&,
+                                    const Tensor&, const OptTensor&, const Tensor&, at::IntArrayRef, at::IntArrayRef,
+                                    at::IntArrayRef, int64_t, bool, int64_t, double, std::array<bool, 6>,
+                                    const OptTensor&)>("clfast::layer_bwd");
+  return k.call(dout, x, weight, bias, y, params, residual, out, g.stride, g.padding, g.dilation, g.groups, training, act,
+                act_param, needs, grad_means);
+}
+
+Tensors3 synced_stats(const Tensor& y, const std::string& group) {
+  static const auto k = op<Tensors3(const Tensor&, c10::string_view)>("clfast::synced_stats");
+  return k.call(y, group);
+}
+
+Tensor synced_grad_means(const Tensor& sum_dz, const Tensor& sum_dzx, const Tensor& y, const std::string& group) {
+  static const auto k = op<Tensor(const Tensor&, const Tensor&, const Tensor&, c10::string_view)>(
+      "clfast::synced_grad_means");
+  return k.call(sum_dz, sum_dzx, y, group);
+}
+
+Tensor conv(const Tensor& x, const OptTensor& w, const OptTensor& b, const Geometry& g) {
+  if (!given(w)) return x;  // a layer without a conv (a BatchNorm alone): y is x
+  return at::convolution(x, *w, b, g.stride, g.padding, g.dilation, false, std::vector<int64_t>(g.stride.size(), 0),
+                         g.groups)
+      .contiguous(at::MemoryFormat::ChannelsLast);
+}
+
+}  // namespace
+
+namespace clfast {
+// act(bn(conv(x)) [+ residual]): out, with y and params as non-differentiable outputs. `training`: normalise with the
+// batch's statistics (over every rank of `group` when one is named), else with the given `mean` and `var`.
+struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                               const OptTensor& bn_weight, const OptTensor& bn_bias, const OptTensor& residual,
+                               const OptTensor& mean, const OptTensor& var, Geometry g, double eps, int64_t act,
+                               double act_param, bool keep_y, bool training, std::string group) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels have no autograd of their own: this node is it
+    Tensor out, y, params;
+    if (training && !group.empty()) {  // this rank's conv, its statistics joined with the other ranks', then the layer
+      const Tensor y_here = conv(x, weight, bias, g);
+      auto [mean_all, var_all, count] = synced_stats(y_here, group);
+      std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean_all, var_all, g, eps, act,
+                                           act_param, keep_y, y_here);
+      params.select(0, 4).mul_(count / (count - 1).clamp_min(1));
+    } else {
+      std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g, eps, act,
+                                           act_param, keep_y, std::nullopt);
+      if (training) {  // sizes may be symbolic (torch.compile with dynamic shapes)
+        const c10::SymInt n = out.sym_numel() / out.sym_size(1);
+        params.select(0, 4).mul_(c10::Scalar(c10::SymFloat(n) / c10::SymFloat((n - 1).max(1))));
+      }
+    }
+    // the batch variance the running average takes is row 4, unbiased above (backward reads rows 0-3 only)
+    const bool has_act = act != clfast_cpu::act::kNone, has_res = given(residual);
+    const bool from_out = has_res && has_act && clfast_cpu::act::grad_from_out(act, act_param);
+    const bool keep_res = has_res && has_act && !from_out;
+    ctx->save_for_backward({x, weight.value_or(Tensor()), bias.value_or(Tensor()), y, params,
+                            keep_res ? *residual : Tensor(), from_out ? out : Tensor()});
+    ctx->saved_data["stride"] = g.stride;
+    ctx->saved_data["padding"] = g.padding;
+    ctx->saved_data["dilation"] = g.dilation;
+    ctx->saved_data["groups"] = g.groups;
+    ctx->saved_data["training"] = training;
+    ctx->saved_data["act"] = act;
+    ctx->saved_data["act_param"] = act_param;
+    ctx->saved_data["group"] = group;
+    // autograd's edges are the given tensors only: which of x, weight, bias, bn_weight, bn_bias, residual were
+    ctx->saved_data["given"] = std::vector<bool>{true, given(weight), given(bias), given(bn_weight), given(bn_bias),
+                                                 has_res};
+    // BN's parameter gradients come out in the accumulation dtype; they go back in their parameters' dtypes
+    ctx->saved_data["bn_weight_dtype"] = given(bn_weight) ? int64_t(bn_weight->scalar_type()) : int64_t(-1);
+    ctx->saved_data["bn_bias_dtype"] = given(bn_bias) ? int64_t(bn_bias->scalar_type()) : int64_t(-1);
+    ctx->mark_non_differentiable({y, params});
+    ctx->set_materialize_grads(false);  // y and params never get gradients: no zero-filled activation-sized tensors
+    return {out, y, params};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_FUNCTION("clfast::conv_bn_act_backward", std::vector<c10::IValue>());
+    TORCH_CHECK(!at::GradMode::is_enabled(), "clfast's fused conv-BN has no double backward (create_graph=True): "
+                "unfuse the model (clfast.fuse.unfuse_conv_bn) for higher-order gradients");
+    variable_list result(15);
+    if (!grads[0].defined()) return result;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &x = saved[0], &params = saved[4];
+    const OptTensor weight = opt(saved[1]), bias = opt(saved[2]), residual = opt(saved[5]);
+    const Tensor empty = x.new_empty({0});
+    const Tensor out = saved[6].defined() ? saved[6] : empty;
+    Tensor y = saved[3].defined() ? saved[3] : empty;  // empty: the 'memory' mode, recomputed by the kernel
+    auto& d = ctx->saved_data;
+    const Geometry g{d["stride"].toIntVector(), d["padding"].toIntVector(), d["dilation"].toIntVector(),
+                     d["groups"].toInt()};
+    const int64_t act = d["act"].toInt();
+    const double act_param = d["act_param"].toDouble();
+    const bool training = d["training"].toBool();
+    const std::string group = d["group"].toStringRef();
+    std::array<bool, 6> needs{};
+    const auto was_given = d["given"].toBoolList();
+    for (size_t i = 0, edge = 0; i < 6; ++i)
+      if (was_given[i]) needs[i] = ctx->needs_input_grad(edge++);
+    const bool res_through_act = needs[5] && act != clfast_cpu::act::kNone;
+    const Tensor dout = grads[0].to(x.scalar_type());
+    Tensor dx, dw, db, dbw, dbb, dres;
+    if (training && !group.empty()) {  // this rank's two per-channel sums, summed over the ranks, then dy from their means
+      if (no_elements(y)) y = conv(x, weight, bias, g);  // once, for both passes
+      auto [_x, _w, _b, sum_dzx, sum_dz, _r] = layer_bwd(dout, x, weight, bias, y, params, residual, out, g, training, act,
+                                                         act_param, {false, false, false, true, true, false}, std::nullopt);
+      const Tensor means = synced_grad_means(sum_dz, sum_dzx, y, group);
+      std::tie(dx, dw, db, std::ignore, std::ignore, dres) =
+          layer_bwd(dout, x, weight, bias, y, params, residual, out, g, training, act, act_param,
+                    {needs[0], needs[1], needs[2], false, false, res_through_act}, means);
+      // BN's own parameter gradients stay this rank's, as SyncBatchNorm's: DDP averages them with the others
+      dbw = sum_dzx; dbb = sum_dz;
+    } else {
+      std::tie(dx, dw, db, dbw, dbb, dres) =
+          layer_bwd(dout, x, weight, bias, y, params, residual, out, g, training, act, act_param,
+                    {needs[0], needs[1], needs[2], needs[3], needs[4], res_through_act}, std::nullopt);
+    }
+    if (needs[5] && !res_through_act) dres = dout;  // no activation: dresidual is dout
+    const Tensor got[6] = {dx, dw, db, dbw, dbb, dres};
+    for (size_t i = 0; i < 6; ++i)
+      if (needs[i] && got[i].defined() && !no_elements(got[i])) result[i] = got[i];
+    for (auto [i, key] : {std::pair<size_t, const char*>{3, "bn_weight_dtype"}, {4, "bn_bias_dtype"}})
+      if (result[i].defined()) result[i] = result[i].to(at::ScalarType(d[key].toInt()));
+    return result;
+  }
+};
+
+}  // namespace clfast
+
+namespace {
+
+// BatchNorm's bookkeeping after a batch-statistics step: bump num_batches_tracked, then
+// running = lerp(running, batch value, momentum, or 1/num_batches_tracked where momentum is None: a cumulative average)
+void update_running(const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& num_batches_tracked,
+                    const Tensor& params, std::optional<double> momentum) {
+  RECORD_FUNCTION("clfast::bn_update_running", std::vector<c10::IValue>());
+  at::NoGradGuard no_grad;
+  std::optional<Tensor> cumulative;
+  if (given(num_batches_tracked)) {
+    num_batches_tracked->add_(1);
+    if (!momentum) cumulative = at::reciprocal(num_batches_tracked->to(params.scalar_type()));
+  }
+  if (!given(running_mean) || !given(running_var)) return;
+  for (auto [running, row] : {std::pair<const Tensor*, int64_t>{&*running_mean, 0}, {&*running_var, 4}}) {
+    const Tensor value = params.select(0, row).to(running->scalar_type());
+    if (cumulative) running->lerp_(value, cumulative->to(running->scalar_type()));
+    else running->lerp_(value, momentum.value_or(0.0));
+  }
+}
+
+Tensor conv_bn_act(const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& bn_weight,
+                   const OptTensor& bn_bias, const OptTensor& residual, const OptTensor& running_mean,
+                   const OptTensor& running_var, const OptTensor& num_batches_tracked, bool training,
+                   std::optional<double> momentum, double eps, at::IntArrayRef stride, at::IntArrayRef padding,
+                   at::IntArrayRef dilation, int64_t groups, int64_t act, double act_param, bool keep_y,
+                   c10::string_view group) {
+  const bool batch_stats = training || !(given(running_mean) && given(running_var));
+  OptTensor mean, var;
+  if (!batch_stats) {  // copies: a later in-place update of the running statistics must not change what backward saved
+    mean = running_mean->detach().clone();
+    var = running_var->detach().clone();
+  }
+  const std::string synced = batch_stats ? std::string(group) : std::string();
+  const Geometry g{stride.vec(), padding.vec(), dilation.vec(), groups};
+  auto outs = clfast::ConvBnAct::apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g, eps, act, act_param,
+                               keep_y && given(weight), batch_stats, synced);
+  if (training && (given(running_mean) || given(num_batches_tracked)))
+    update_running(running_mean, running_var, num_batches_tracked, outs[2], momentum);
+  return outs[0];
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(clfast, CompositeImplicitAutograd, m) { m.impl("conv_bn_act", &conv_bn_act); }

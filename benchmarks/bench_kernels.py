@@ -47,7 +47,7 @@ def fused_step(x, w, bw, bb, geom, act):
     torch.autograd.grad(out, (x, w, bw, bb), torch.ones_like(out))
 
 def ref_step(*a):
-    with ops.cpu_kernels_from('ref'): fused_step(*a)
+    with ops.kernels_from('ref'): fused_step(*a)
 
 def stock_step(x, w, bw, bb, geom, act):
     rm, rv = torch.zeros(w.shape[0]), torch.ones(w.shape[0])

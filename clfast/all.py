@@ -10,6 +10,6 @@ from .guard import *
 from .check import conv_geometries, check_geometries, check_channelslast
 from .finder import Setup, measure_setups, best_setup, bench_model, plot_setups
 from .act import ACTS, act_of, get_act
-from .ops import fused_conv_bn, register_kernels, kernels_ready, cpu_kernels_from
+from .ops import fused_conv_bn, register_kernels, kernels_ready, kernels_from
 from .reference import ConvGeometry
 from .distrib import *

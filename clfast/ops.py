@@ -15,7 +15,7 @@ from .reference import ConvGeometry, PARAM_ROWS, acc_dtype, ref_layer_fwd, ref_b
 from .syncstats import _group_name, _synced_stats, _synced_grad_means
 
 # %% auto #0
-__all__ = ['REFERENCE', 'register_kernels', 'cpu_kernels_from', 'kernels_ready', 'fused_conv_bn']
+__all__ = ['REFERENCE', 'register_kernels', 'kernels_from', 'kernels_ready', 'fused_conv_bn']
 
 # %% ../nbs/21_ops.ipynb #7dc203a5
 _lib = torch.library.Library('clfast', 'DEF')
@@ -101,23 +101,24 @@ def _(y, group):
 @torch.library.register_fake("clfast::synced_grad_means", lib=_lib)
 def _(sum_dz, sum_dzx, y, group): return sum_dz.new_empty(2, sum_dz.shape[0])
 
-# %% ../nbs/21_ops.ipynb #84554977
+# %% ../nbs/21_ops.ipynb #5d374413
 _loaded: dict[str, Optional[str]] = {}   # 'cpu' -> None once loaded, else why not
 _OTHER_CPU_KERNELS = dict(ref=lambda: REFERENCE, triton=_triton)
 _FORCED: list[torch.library.Library] = []   # CLFAST_KERNELS's registration: the process's
 
-def _serve_cpu(name:str) -> torch.library.Library:
-    "Register the kernel set `name` for the CPU (over the C++ kernels, which return when the library is destroyed)"
+def _serve(name:str, key:str='CPU') -> torch.library.Library:
+    "Register the kernel set `name` for dispatch key `key` (over its own, which return when the library is destroyed)"
     if name not in _OTHER_CPU_KERNELS: raise ValueError(f"name must be one of {tuple(_OTHER_CPU_KERNELS)}, got {name!r}")
     lib = torch.library.Library('clfast', 'IMPL')
-    register_kernels(lib, 'CPU', _OTHER_CPU_KERNELS[name])
+    register_kernels(lib, key, _OTHER_CPU_KERNELS[name])
     return lib
 
 @contextlib.contextmanager
-def cpu_kernels_from(name:str):
-    "Serve the CPU with the kernel set `name` ('ref' or 'triton') inside the block, the C++ kernels again after it"
+def kernels_from(name:str, key:str='CPU'):
+    """Serve dispatch key `key` with the kernel set `name` ('ref' or 'triton') inside the block, its own kernels again
+    after it. `kernels_from('triton', 'Meta')`: Triton's launch code runs on shape-only tensors (`clfast.gpu_report`)"""
     if not kernels_ready(): raise RuntimeError(f"clfast's fused layer cannot run here: {_loaded['cpu']}")
-    lib = _serve_cpu(name)
+    lib = _serve(name, key)
     try: yield
     finally: lib._destroy()
 
@@ -134,7 +135,7 @@ def kernels_ready() -> bool:
             warnings.warn(f"clfast: the fused layers run as their stock modules ({_loaded['cpu']})", stacklevel=2)
             return False
         forced = os.environ.get('CLFAST_KERNELS', '').lower()
-        if forced: _FORCED.append(_serve_cpu(forced))
+        if forced: _FORCED.append(_serve(forced))
     return _loaded['cpu'] is None
 
 # %% ../nbs/21_ops.ipynb #7ddcb450

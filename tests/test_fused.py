@@ -14,7 +14,7 @@ PATHS = ['kernel', 'ref']
 
 def cpu_path(path):
     "'kernel': the device's kernels (the C++ ones on the CPU, where they build); 'ref': the pure-PyTorch ones"
-    return contextlib.nullcontext() if path == 'kernel' else ops.cpu_kernels_from('ref')
+    return contextlib.nullcontext() if path == 'kernel' else ops.kernels_from('ref')
 
 ACT_NAMES = list(ACTS)
 def act_param(act): return {'leaky_relu': 0.1}.get(act, 0.)

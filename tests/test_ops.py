@@ -26,7 +26,7 @@ def _env(**kw):
 
 def backend(name):
     "'kernel': the device's own kernels; 'ref': the pure-PyTorch ones"
-    return contextlib.nullcontext() if name == 'kernel' else ops.cpu_kernels_from('ref')
+    return contextlib.nullcontext() if name == 'kernel' else ops.kernels_from('ref')
 
 def oracle(x, w, b, bw, bb, res, rm, rv, training, act, p, stride=1, padding=1, round_to=None):
     """The stock composition, in whatever dtype its inputs are (fp64 for the oracle). With `round_to` the conv output is
@@ -129,20 +129,20 @@ def test_uses_cpp_kernel():
                             None, None, None, True, 0.1, 1e-5)
     assert out.grad_fn.name() == 'torch::autograd::CppNode<clfast::ConvBnAct>'
 
-def test_cpu_kernels_from():
+def test_kernels_from():
     "Inside the block the CPU runs the named kernel set (here the reference's), after it the C++ kernels again"
     calls = []
     ref = ops.REFERENCE.layer_fwd
     args = (torch.randn(2, 3, 4, 4), torch.randn(5, 3, 1, 1), None, None, None, None, None, None, True, 0.1, 1e-5)
     with mock.patch.object(ops.REFERENCE, 'layer_fwd', lambda *a, **k: calls.append(1) or ref(*a, **k)):
-        with ops.cpu_kernels_from('ref'):
+        with ops.kernels_from('ref'):
             assert 'clfast/ops.py' in _cpu_kernel_of('layer_fwd')
             ops.fused_conv_bn(*args)
         assert calls == [1]
         ops.fused_conv_bn(*args)
         assert calls == [1]
     if not cpu_kernels.missing_toolchain(): assert 'csrc/conv_bn_act.cpp' in _cpu_kernel_of('layer_fwd')
-    with pytest.raises(ValueError, match="one of \\('ref', 'triton'\\)"): ops.cpu_kernels_from('cuda').__enter__()
+    with pytest.raises(ValueError, match="one of \\('ref', 'triton'\\)"): ops.kernels_from('cuda').__enter__()
 
 def _op_args(keep_y=True, res=True, training=True, act=1):
     cl = torch.channels_last

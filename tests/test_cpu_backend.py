@@ -3,7 +3,7 @@ fp64 oracle built from stock PyTorch: F.conv2d -> F.batch_norm -> (+ residual) -
 import math
 import pytest, torch
 import torch.nn.functional as F
-from clfast import cpu_kernels
+from clfast import cpu_kernels, ops   # ops: the schemas the C++ kernels are registered under
 from clfast.act import ACTS
 from clfast.machine import clfast_isa
 

@@ -6,6 +6,7 @@ machine is noisy. Wrap runs in `flock /tmp/clfast-cpu.lock` so they never overla
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py                  # all CPU sections (+ GPU if present)
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections train --models resnet50 efficientnet_b0
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections overhead        # fixed cost per fused layer
+    flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections never_slower --bs 8 --px 128 --rounds 7
 """
 from __future__ import annotations
 import argparse, copy, statistics, sys, time
@@ -196,12 +197,44 @@ def section_overhead(args):
     print("  " + paired_ratios(raw, 'fused', 'stock'))
     torch.set_num_threads(threads)
 
-SECTIONS = {'train': section_train, 'infer': section_infer, 'gpu': section_gpu, 'overhead': section_overhead}
+NEVER_SLOWER_MODELS = ('resnet50', 'efficientnet_b0', 'mobilenetv3_large_100', 'regnety_016', 'tv:densenet121')
+
+def section_never_slower(args):
+    """Issue 23's table: a training step of fuse='speed' against what `to_channelslast()` runs without fusing (stock
+    channels-last, precise BatchNorm where stock measured imprecise, the guard), both prepared as `to_channelslast`
+    prepares them (`guard_model`); fp32 and bf16 autocast where native. Paired rounds, order alternating. A name
+    `tv:<arch>` is torchvision's model; `--models` default: the issue's five"""
+    from clfast.guard import guard_model
+    names = args.models if args.models_given else NEVER_SLOWER_MODELS
+    amps = [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
+    rows = []
+    for name in names:
+        torch.manual_seed(0)
+        base = getattr(torchvision.models, name[3:])() if name.startswith('tv:') else make_model(name)
+        x = torch.randn(args.bs, 3, args.px, args.px).to(memory_format=torch.channels_last)
+        models = {'to_channelslast': cl(copy.deepcopy(base)), 'speed': fuse_conv_bn(cl(copy.deepcopy(base)), 'speed')}
+        for m in models.values(): guard_model(m)
+        for amp in amps:
+            t0 = time.perf_counter()
+            fns = {k: train_step_fn(m, x, amp=amp) for k, m in models.items()}
+            for f in fns.values(): f()     # the first step: per-shape timing (the GEMM way, the layer choice) happens here
+            first = time.perf_counter() - t0
+            raw = interleaved(fns, args.rounds, warmup=1)
+            r = sorted(b / t for b, t in zip(raw['to_channelslast'], raw['speed']))
+            rows.append((name, 'bf16' if amp else 'fp32', statistics.median(r), r[len(r) // 4], r[(3 * len(r)) // 4],
+                         medians(raw)['to_channelslast'] * 1e3, medians(raw)['speed'] * 1e3, first))
+            print(f"{name:>22} {rows[-1][1]}: to_channelslast / speed {rows[-1][2]:.3f} (quartiles {rows[-1][3]:.3f}-"
+                  f"{rows[-1][4]:.3f}), {rows[-1][5]:.0f} / {rows[-1][6]:.0f} ms; first steps {first:.1f} s", flush=True)
+    for dt in ('fp32', 'bf16'):
+        rs = [r[2] for r in rows if r[1] == dt]
+        if rs: print(f"geomean {dt}: {statistics.geometric_mean(rs):.3f}, worst {min(rs):.3f}")
+
+SECTIONS = {'train': section_train, 'never_slower': section_never_slower, 'infer': section_infer, 'gpu': section_gpu, 'overhead': section_overhead}
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--sections', nargs='+', default=list(SECTIONS), choices=list(SECTIONS))
-    p.add_argument('--models', nargs='+', default=['resnet50', 'efficientnet_b0'], help='timm model names')
+    p.add_argument('--models', nargs='+', default=None, help='timm model names (never_slower: also tv:<torchvision arch>)')
     p.add_argument('--bs', type=int, default=16); p.add_argument('--px', type=int, default=160)
     p.add_argument('--rounds', type=int, default=5)
     p.add_argument('--no-compile', action='store_true', help='skip the torch.compile variants')
@@ -209,6 +242,8 @@ def main(argv=None):
     p.add_argument('--warm-compile', action='store_true', help="let torch.compile use inductor's on-disk cache")
     p.add_argument('--gpu-bs', type=int, default=256); p.add_argument('--gpu-dtype', default='float16')
     args = p.parse_args(argv)
+    args.models_given = args.models is not None
+    if args.models is None: args.models = ['resnet50', 'efficientnet_b0']
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, cuda={torch.cuda.is_available()}")
     for s in args.sections: SECTIONS[s](args)
 

@@ -19,8 +19,9 @@ from .bn import make_precise, imprecise_cl_batch_norm, can_be_precise, is_precis
 __all__ = ['KNOWN_BAD_KERNELS', 'PREMISE_CACHE', 'SHORT_INPUT_FASTER', 'SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT',
            'CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM', 'MEASURED_KERNELS', 'BadKernel', 'bad_kernels_for', 'GuardPlan',
            'guard_acts', 'Route', 'route', 'premise', 'forget_premises', 'MeasuredKernel', 'weight_grad_in_nchw',
-           'paired_ratio', 'short_input_slower', 'may_meet_short_input', 'short_input_plan', 'GuardedConv2d',
-           'guard_plan', 'unguard_model', 'guard_model', 'call_plan', 'short_input_route', 'guard_report']
+           'paired_ratio', 'short_input_slower', 'may_meet_short_input', 'short_input_plan', 'guarded_conv',
+           'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model', 'call_plan', 'short_input_route',
+           'guard_report']
 
 # %% ../nbs/05_guard.ipynb #f1cb003b
 @dataclass(frozen=True)
@@ -214,22 +215,25 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/05_guard.ipynb #56886ad1
+# %% ../nbs/05_guard.ipynb #22a92550
+def guarded_conv(conv:nn.Conv2d, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
+    "`conv`'s stock conv of `input`, run as its plan says (`call_plan`): a `GuardedConv2d`'s, and a fused layer's stock way"
+    stock = lambda x, w, b: nn.Conv2d._conv_forward(conv, x, w, b)
+    plan = call_plan(conv, input, weight)
+    if plan is None: return stock(input, weight, bias)
+    if plan.workaround == 'nchw_weight_grad':
+        if not guard_acts(plan, input, weight): return stock(input, weight, bias)
+        return weight_grad_in_nchw(conv, input, weight, bias)
+    r = route(plan, input, weight, conv.stride)
+    if r.stride == conv.stride: return r.restore(stock(r.x, r.weight, bias))
+    return r.restore(F.conv2d(r.x, r.weight, bias, r.stride, 0, conv.dilation, conv.groups))   # subsampled
+
 class GuardedConv2d(AsStock, nn.Conv2d):
-    "A stock `nn.Conv2d` whose conv runs as its plan says (`route`); pickles as `nn.Conv2d`, without the plan"
+    "A stock `nn.Conv2d` whose conv runs as its plan says (`guarded_conv`); pickles as `nn.Conv2d`, without the plan"
     _stock_class, _own_attrs = nn.Conv2d, ('_cl_guard',)
     _cl_guard: GuardPlan|None = None   # set by `guard_model`; None: stock, or the short-input route per call
     def _conv_forward(self, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
-        plan = call_plan(self, input, weight)
-        if plan is None: return self._stock_conv(input, weight, bias)
-        if plan.workaround == 'nchw_weight_grad':
-            if not guard_acts(plan, input, weight): return self._stock_conv(input, weight, bias)
-            return weight_grad_in_nchw(self, input, weight, bias)
-        r = route(plan, input, weight, self.stride)
-        if r.stride == self.stride: return r.restore(self._stock_conv(r.x, r.weight, bias))
-        return r.restore(F.conv2d(r.x, r.weight, bias, r.stride, 0, self.dilation, self.groups))   # subsampled
-
-    def _stock_conv(self, x, w, b): return nn.Conv2d._conv_forward(self, x, w, b)
+        return guarded_conv(self, input, weight, bias)
 
 # %% ../nbs/05_guard.ipynb #396bbc08
 _guard_reports = weakref.WeakKeyDictionary()

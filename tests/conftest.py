@@ -17,6 +17,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if 'cuda' in item.keywords: item.add_marker(skip)
 
+# Fused layers run fused in this suite, so that every test of them tests clfast's op; 'timed' (the default: the faster
+# of fused and stock per layer shape) has its own tests in test_fused.py, and the subprocess tests (README, notebooks)
+# run it
+from clfast.fused import set_layer_way
+set_layer_way('fused')
+
 @pytest.fixture(autouse=True)
 def _seed():
     "Every test starts from the same seed, so failures reproduce"

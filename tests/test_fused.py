@@ -9,6 +9,8 @@ from clfast.act import ACTS
 from clfast.fused import FusedConvBN2d, conv_bn_act
 from clfast.guard import guard_model
 from clfast import cpu_kernels, ops
+from clfast import fused as fused_mod
+from clfast.machine import MachineCache
 
 PATHS = ['kernel', 'ref']
 
@@ -331,3 +333,76 @@ def test_residual_shape_error(path):
     with cpu_path(path), pytest.raises(ValueError, match='residual shape'):
         f(torch.randn(2, 3, 5, 5), torch.randn(2, 4, 1, 1))
     assert f.bn.num_batches_tracked == 0 and (f.bn.running_mean == 0).all() and (f.bn.running_var == 1).all()
+
+# --- fused or stock per layer shape (issue 23): `clfast.fused.set_layer_way`; the suite runs 'fused' (conftest.py)
+
+@contextlib.contextmanager
+def layer_way(how):
+    before = fused_mod.set_layer_way(how)
+    try: yield
+    finally: fused_mod.set_layer_way(before)
+
+def test_set_layer_way():
+    with pytest.raises(ValueError, match="one of \\('fused', 'stock', 'timed'\\)"): fused_mod.set_layer_way('fast')
+    with layer_way('stock'): assert fused_mod.set_layer_way('stock') == 'stock'
+    assert fused_mod.set_layer_way('fused') == 'fused'   # the suite's setting, restored
+
+@pytest.mark.parametrize('act,res', [('relu', True), ('silu', False), ('leaky_relu', True)])
+def test_stock_way_is_stock(act, res):
+    "The stock way computes the layer as the stock modules (against fp64: outputs, gradients, running statistics)"
+    f, conv, bn = pair(5, 6, act=act)
+    x = torch.randn(2, 5, 6, 6).to(memory_format=torch.channels_last)
+    with layer_way('stock'):
+        assert f(x.requires_grad_()).grad_fn.name() != 'torch::autograd::CppNode<clfast::ConvBnAct>'
+        f, conv, bn = pair(5, 6, act=act)
+        compare(f, conv, bn, x, torch.randn(2, 6, 6, 6) if res else None, act)
+
+@needs_cxx
+def test_timed_way_once_per_shape(tmp_path, monkeypatch):
+    """'timed': the first call of a shape times both ways on copies (the module's statistics see one update, its
+    gradients one backward), keeps the faster in this process and in the machine's cache; later calls run it"""
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(fused_mod, '_ways', {})
+    timed = []
+    real = fused_mod._timed_way
+    monkeypatch.setattr(fused_mod, '_timed_way', lambda *a: timed.append(1) or real(*a))
+    f, conv, bn = pair(5, 6, act='silu')
+    x = torch.randn(2, 5, 6, 6).to(memory_format=torch.channels_last)
+    with layer_way('timed'):
+        compare(f, conv, bn, x, None, 'silu')            # one update, one backward: as stock
+        assert timed == [1]
+        ways = fused_mod.layer_ways()
+        assert len(ways) == 1 and set(ways.values()) <= {'fused', 'stock'}
+        assert MachineCache(fused_mod.LAYER_WAY_CACHE).entries() == ways
+        for _ in range(2): f(x).sum().backward()
+        assert timed == [1]                               # the same shape: not timed again
+        f(torch.randn(3, 5, 6, 6)).sum().backward()
+        assert timed == [1, 1]                            # another shape is
+        monkeypatch.setattr(fused_mod, '_ways', {})
+        f(x).sum().backward()
+        assert timed == [1, 1]                            # a new process reads the cache
+
+@needs_cxx
+@pytest.mark.parametrize('way', ['fused', 'stock'])
+def test_timed_way_runs_the_choice(way, tmp_path, monkeypatch):
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(fused_mod, '_ways', {})
+    monkeypatch.setattr(fused_mod, '_timed_way', lambda *a: way)
+    f = FusedConvBN2d(3, 4, 3, padding=1, act='silu')
+    with layer_way('timed'):
+        node = f(torch.randn(2, 3, 5, 5, requires_grad=True)).grad_fn.name()
+    assert (node == 'torch::autograd::CppNode<clfast::ConvBnAct>') == (way == 'fused'), node
+
+@needs_cxx
+def test_not_timed_where_a_timing_cannot_decide(tmp_path, monkeypatch):
+    "Memory mode, deterministic mode and traced code run fused, untimed"
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(fused_mod, '_timed_way', lambda *a: pytest.fail('timed'))
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    with layer_way('timed'):
+        assert FusedConvBN2d(3, 4, 3, padding=1, mode='memory')(x).grad_fn.name().endswith('ConvBnAct>')
+        torch.use_deterministic_algorithms(True)
+        try: assert FusedConvBN2d(3, 4, 3, padding=1)(x).grad_fn.name().endswith('ConvBnAct>')
+        finally: torch.use_deterministic_algorithms(False)
+        out = torch.compile(FusedConvBN2d(3, 4, 3, padding=1), fullgraph=True)(x)   # traced: a timing would fail
+        assert out.shape == (2, 4, 5, 5)

@@ -1,5 +1,5 @@
 from setuptools import setup, find_packages
-import shlex
+import json, os, shlex, sys, time
 from configparser import ConfigParser
 
 assert setup is not None
@@ -32,8 +32,55 @@ pkg_data = cfg.get('package_data', None)
 if pkg_data:
     package_data[pkg_data.split(':')[0].strip()] = pkg_data.split(':')[1].split()
 
+# clfast's C++ CPU kernels, built here for every instruction-set level this CPU runs (clfast/cpu_kernels.py). They
+# need torch at build time: `pip install --no-build-isolation` (pip's isolated build environment has no torch). Without
+# torch or a compiler the install goes on without them, and the kernels build at first use (or with `clfast build`).
+def _say(msg): print(f"clfast: {msg}", file=sys.stderr, flush=True)
+
+def kernel_extensions():
+    try:
+        import torch
+        from torch.utils.cpp_extension import CppExtension
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from clfast import cpu_kernels
+    except ImportError as e:
+        _say(f"WARNING: not building the C++ CPU kernels now ({e}): install with `pip install --no-build-isolation`, "
+             "or they build at the first fused call (or run `clfast build`)")
+        return [], {}
+    why = cpu_kernels.missing_toolchain()
+    if why:
+        _say(f"WARNING: not building the C++ CPU kernels: {why}. clfast works without them: fused layers run as their "
+             "stock modules until they can be built (`clfast build`)")
+        return [], {}
+    sources = [os.path.relpath(str(s)) for s in cpu_kernels.SOURCES]
+    exts = [CppExtension(f'clfast._kernels_{level}', sources, extra_compile_args=cpu_kernels.build_flags(level),
+                         extra_link_args=['-fopenmp']) for level in cpu_kernels.install_levels()]
+    return exts, {'build_ext': _build_kernels(cpu_kernels)}
+
+def _build_kernels(cpu_kernels):
+    from torch.utils.cpp_extension import BuildExtension
+    class BuildKernels(BuildExtension):
+        "Each level in its own build directory, timed, with its stamp beside it; a failure warns and the install goes on"
+        def build_extension(self, ext):
+            level, base, t = ext.name.rsplit('_', 1)[1], self.build_temp, time.time()
+            self.build_temp = os.path.join(base, level)   # the levels compile the same sources with other flags
+            _say(f"building the C++ CPU kernels at level {level} ...")
+            try: super().build_extension(ext)
+            except Exception as e:
+                _say(f"WARNING: the C++ CPU kernels did not build at level {level} ({e}); they build at first use")
+                return
+            finally: self.build_temp = base
+            stamp = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), f'_kernels_{level}.json')
+            with open(stamp, 'w') as f: json.dump(cpu_kernels.build_stamp(level), f)
+            _say(f"built the C++ CPU kernels at level {level} in {time.time() - t:.0f} s")
+    return BuildKernels
+
+ext_modules, cmdclass = kernel_extensions()
+
 setup(
     name=cfg['lib_name'],
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
     license=lic[0],
     classifiers=[
         'Development Status :: ' + statuses[int(cfg['status'])],

@@ -47,7 +47,7 @@ def kernel_extensions():
         _say(f"WARNING: not building the C++ CPU kernels now ({e}): install with `pip install --no-build-isolation`, "
              "or they build at the first fused call (or run `clfast build`)")
         return [], {}
-    why = cpu_kernels.missing_toolchain()
+    why = cpu_kernels.missing_compiler()   # (ninja is not needed here: without it the build is serial)
     if why:
         _say(f"WARNING: not building the C++ CPU kernels: {why}. clfast works without them: fused layers run as their "
              "stock modules until they can be built (`clfast build`)")

@@ -11,20 +11,24 @@ import clfast
 from .machine import CPU_LEVELS, LEVEL_FLAGS, ISA_CAP_ENV, clfast_isa, host_isa, is_x86
 
 # %% auto #0
-__all__ = ['CSRC', 'SOURCES', 'PACKAGE', 'GEMM_BACKWARD', 'missing_toolchain', 'build_flags', 'ext_name', 'library_path',
-           'is_built', 'install_levels', 'build_stamp', 'installed_library', 'build', 'main', 'load',
+__all__ = ['CSRC', 'SOURCES', 'PACKAGE', 'GEMM_BACKWARD', 'missing_compiler', 'missing_toolchain', 'build_flags', 'ext_name',
+           'library_path', 'is_built', 'install_levels', 'build_stamp', 'installed_library', 'build', 'main', 'load',
            'set_gemm_backward', 'gemm_backward_choices']
 
 # %% ../nbs/22_cpu_kernels.ipynb #a8ca19e4
 CSRC = Path(clfast.__file__).parent/'csrc'
 SOURCES = sorted(CSRC.glob('*.cpp'))
 
-# %% ../nbs/22_cpu_kernels.ipynb #9be389ac
-def missing_toolchain() -> str|None:
-    "Why the C++ kernels cannot be built here (no compiler, no ninja), or None when they can"
-    from torch.utils.cpp_extension import is_ninja_available
+# %% ../nbs/22_cpu_kernels.ipynb #42d0f62c
+def missing_compiler() -> str|None:
+    "Why no C++ compiler can build the kernels here, or None when one can"
     cxx = os.environ.get('CXX', 'c++')
-    if shutil.which(cxx) is None: return f"no C++ compiler ({cxx!r} not on PATH; install g++ or set CXX)"
+    return f"no C++ compiler ({cxx!r} not on PATH; install g++ or set CXX)" if shutil.which(cxx) is None else None
+
+def missing_toolchain() -> str|None:
+    "Why the C++ kernels cannot be built here at run time (no compiler, no ninja), or None when they can"
+    from torch.utils.cpp_extension import is_ninja_available
+    if why := missing_compiler(): return why
     if not is_ninja_available(): return "ninja is not installed (pip install ninja)"
     return None
 

@@ -1,5 +1,5 @@
 from setuptools import setup, find_packages
-import json, os, shlex, sys, time
+import os, shlex, sys, time
 from configparser import ConfigParser
 
 assert setup is not None
@@ -53,16 +53,17 @@ def kernel_extensions():
              "stock modules until they can be built (`clfast build`)")
         return [], {}
     sources = [os.path.relpath(str(s)) for s in cpu_kernels.SOURCES]
-    exts = [CppExtension(f'clfast._kernels_{level}', sources, extra_compile_args=cpu_kernels.build_flags(level),
+    # a library's name says what it was built from (level, torch, sources and flags): a stale one is never loaded
+    exts = [CppExtension(f'clfast.{cpu_kernels.installed_name(level)}', sources, extra_compile_args=cpu_kernels.build_flags(level),
                          extra_link_args=['-fopenmp']) for level in cpu_kernels.install_levels()]
     return exts, {'build_ext': _build_kernels(cpu_kernels)}
 
 def _build_kernels(cpu_kernels):
     from torch.utils.cpp_extension import BuildExtension
     class BuildKernels(BuildExtension):
-        "Each level in its own build directory, timed, with its stamp beside it; a failure warns and the install goes on"
+        "Each level in its own build directory, timed; a failure warns and the install goes on"
         def build_extension(self, ext):
-            level, base, t = ext.name.rsplit('_', 1)[1], self.build_temp, time.time()
+            level, base, t = ext.name.split('_kernels_')[1].split('_')[0], self.build_temp, time.time()
             self.build_temp = os.path.join(base, level)   # the levels compile the same sources with other flags
             _say(f"building the C++ CPU kernels at level {level} ...")
             try: super().build_extension(ext)
@@ -70,8 +71,6 @@ def _build_kernels(cpu_kernels):
                 _say(f"WARNING: the C++ CPU kernels did not build at level {level} ({e}); they build at first use")
                 return
             finally: self.build_temp = base
-            stamp = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), f'_kernels_{level}.json')
-            with open(stamp, 'w') as f: json.dump(cpu_kernels.build_stamp(level), f)
             _say(f"built the C++ CPU kernels at level {level} in {time.time() - t:.0f} s")
     return BuildKernels
 

@@ -54,8 +54,10 @@ def kernel_extensions():
         return [], {}
     sources = [os.path.relpath(str(s)) for s in cpu_kernels.SOURCES]
     # a library's name says what it was built from (level, torch, sources and flags): a stale one is never loaded
-    exts = [CppExtension(f'clfast.{cpu_kernels.installed_name(level)}', sources, extra_compile_args=cpu_kernels.build_flags(level),
-                         extra_link_args=['-fopenmp']) for level in cpu_kernels.install_levels()]
+    # -g0: Python's own flags add -g, a 10x larger library (40 MB a level) and a slower build
+    exts = [CppExtension(f'clfast.{cpu_kernels.installed_name(level)}', sources,
+                         extra_compile_args=cpu_kernels.build_flags(level) + ['-g0'], extra_link_args=['-fopenmp'])
+            for level in cpu_kernels.install_levels()]
     return exts, {'build_ext': _build_kernels(cpu_kernels)}
 
 def _build_kernels(cpu_kernels):

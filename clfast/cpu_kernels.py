@@ -80,7 +80,7 @@ def is_built(level:str|None=None) -> bool:
 
 def _say(msg:str): print(f"clfast: {msg}", file=sys.stderr, flush=True)
 
-# %% ../nbs/22_cpu_kernels.ipynb #2fc7ac47
+# %% ../nbs/22_cpu_kernels.ipynb #acc46d04
 PACKAGE = Path(clfast.__file__).parent
 
 def install_levels() -> list[str]:
@@ -101,7 +101,7 @@ def installed_library(level:str|None=None) -> tuple[Path|None, str]:
     if not others: return None, "none was built at install"
     if not any(f"_torch{_torch_tag(torch.__version__)}_" in n for n in others):
         built = others[0].split('_torch')[1].rsplit('_', 1)[0]
-        return None, f"the installed one was built for torch {built}, this is torch {torch.__version__}"
+        return None, f"the installed one was built for another torch ({built}), this is torch {torch.__version__}"
     return None, "the installed one was built from other sources or flags"
 
 def build(levels:list[str]|None=None) -> dict:

@@ -292,3 +292,27 @@ def test_gradcheck_fp64(act, res, training, which, device='cpu'):
 
 @pytest.mark.cuda
 def test_gradcheck_fp64_cuda(): test_gradcheck_fp64('silu', True, True, 'kernel', 'cuda')
+
+def test_installed_library_only_when_current(tmp_path, monkeypatch):
+    "The install's library of a level loads only when its name says: this level, this torch, these sources and flags"
+    monkeypatch.setattr(cpu_kernels, 'PACKAGE', tmp_path)
+    assert cpu_kernels.installed_library('generic') == (None, "none was built at install")
+    current = cpu_kernels.installed_name('generic')
+    (tmp_path/(current.replace('_torch', '_torch0_1_') + '.cpython-311-x86_64-linux-gnu.so')).touch()
+    lib, why = cpu_kernels.installed_library('generic')
+    assert lib is None and 'another torch (0_1_' in why and torch.__version__ in why, why
+    (tmp_path/(current[:-4] + 'beef.cpython-311-x86_64-linux-gnu.so')).touch()
+    assert cpu_kernels.installed_library('generic') == (None, "the installed one was built from other sources or flags")
+    (tmp_path/(current + '.cpython-311-x86_64-linux-gnu.so')).touch()
+    assert cpu_kernels.installed_library('generic')[0].name.startswith(current + '.')
+    assert cpu_kernels.installed_library('avx2')[0] is None   # another level's never stands in
+
+def test_install_without_compiler_goes_on(tmp_path):
+    "setup.py without a C++ compiler: no kernels, a warning naming what to install, and the setup itself succeeds"
+    p = subprocess.run([sys.executable, 'setup.py', '--version'], cwd=ROOT, capture_output=True, text=True,
+                       env=_env(CXX=str(tmp_path/'no-such-c++')))
+    assert p.returncode == 0 and p.stdout.strip(), p.stderr
+    assert 'not building the C++ CPU kernels: no C++ compiler' in p.stderr and 'install g++' in p.stderr, p.stderr
+
+def test_build_refuses_levels_above_this_cpu():
+    with pytest.raises(ValueError, match='this CPU runs levels'): cpu_kernels.build(['avx1024'])

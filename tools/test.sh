@@ -10,7 +10,8 @@ PY=${PYTHON:-python3}
 pip_install() { local venv=$1; shift; "$venv/bin/python" -m pip install -q "$@" >"$venv/pip.log" 2>&1 || { cat "$venv/pip.log"; exit 1; }; }
 [ -x .venv/bin/python ] || $PY -m venv .venv
 pip_install .venv torch==2.14.1 torchvision==0.29.1
-pip_install .venv -e ".[dev]"
+# --no-build-isolation: setup.py builds the C++ kernels against the torch just installed (pip's isolated build has none)
+pip_install .venv --no-build-isolation -e ".[dev]"
 # nbdev v2 (settings.ini) needs fastcore 1.x while fastai needs fastcore 2, so the nbdev tools live in their own venv
 [ -x .venv-nbdev/bin/python ] || $PY -m venv .venv-nbdev
 pip_install .venv-nbdev -r tools/nbdev-tools.txt

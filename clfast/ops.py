@@ -68,7 +68,7 @@ def _triton():
 register_kernels(_lib, 'CompositeExplicitAutograd', lambda: REFERENCE)
 register_kernels(_lib, 'CUDA', _triton)
 
-# %% ../nbs/21_ops.ipynb #a85e6168
+# %% ../nbs/21_ops.ipynb #560c9449
 class _Fake:
     @staticmethod
     def layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act, act_param, keep_y, y=None):
@@ -77,7 +77,7 @@ class _Fake:
                                                                                              dtype=acc_dtype(y.dtype))
     @staticmethod
     def layer_bwd(dout, x, weight, bias, y, params, residual, out, geom, training, act, act_param, needs, grad_means=None):
-        # the op's rule: each gradient in its input's layout (ATen's CPU conv backward may differ; the op fixes it)
+        # the kernels' rule: each gradient in its input's layout (the C++ kernels and `_as_inputs` see to it)
         pick = lambda need, t: torch.empty_like(t, memory_format=_layout(t)) if need else _empty(params)
         return (pick(needs[0], x), pick(needs[1] and weight is not None, weight if weight is not None else x),
                 pick(needs[2] and bias is not None, params[0].to(x.dtype)), pick(needs[3], params[0]),
@@ -101,16 +101,16 @@ def _(y, group):
 @torch.library.register_fake("clfast::synced_grad_means", lib=_lib)
 def _(sum_dz, sum_dzx, y, group): return sum_dz.new_empty(2, sum_dz.shape[0])
 
-# %% ../nbs/21_ops.ipynb #5d374413
+# %% ../nbs/21_ops.ipynb #ef3b7a31
 _loaded: dict[str, Optional[str]] = {}   # 'cpu' -> None once loaded, else why not
-_OTHER_CPU_KERNELS = dict(ref=lambda: REFERENCE, triton=_triton)
+_OTHER_KERNELS = dict(ref=lambda: REFERENCE, triton=_triton)
 _FORCED: list[torch.library.Library] = []   # CLFAST_KERNELS's registration: the process's
 
 def _serve(name:str, key:str='CPU') -> torch.library.Library:
     "Register the kernel set `name` for dispatch key `key` (over its own, which return when the library is destroyed)"
-    if name not in _OTHER_CPU_KERNELS: raise ValueError(f"name must be one of {tuple(_OTHER_CPU_KERNELS)}, got {name!r}")
+    if name not in _OTHER_KERNELS: raise ValueError(f"name must be one of {tuple(_OTHER_KERNELS)}, got {name!r}")
     lib = torch.library.Library('clfast', 'IMPL')
-    register_kernels(lib, key, _OTHER_CPU_KERNELS[name])
+    register_kernels(lib, key, _OTHER_KERNELS[name])
     return lib
 
 @contextlib.contextmanager

@@ -123,13 +123,14 @@ def _sync_of(stock:type) -> type:
     if issubclass(stock, nn.SyncBatchNorm): return stock
     return sys.modules['timm.layers.norm_act'].SyncBatchNormAct if _qual(stock) == _BN_ACT else nn.SyncBatchNorm
 
-# %% ../nbs/27_bn.ipynb #b4377112
+# %% ../nbs/27_bn.ipynb #77c57470
 def make_precise(bn:nn.Module, sync:bool=False, process_group=None) -> nn.Module:
     "Turn `bn` (see `can_be_precise`) into its precise class in place; `sync` makes it synchronize over `process_group` (None: the world)"
     if not can_be_precise(bn, sync):
         raise TypeError(f"{type(bn).__name__} cannot be made precise: clfast's op does the work of an nn.BatchNorm2d or "
                         "nn.SyncBatchNorm (or timm's BatchNormAct2d with a fusable activation and no drop)")
     stock = _sync_of(stock_class(bn)) if sync else stock_class(bn)
+    kernels_ready()   # now, not in a traced forward
     bn.__class__ = precise_class(stock)
     if sync: bn.process_group = process_group
     elif issubclass(stock, nn.SyncBatchNorm) and not hasattr(bn, 'process_group'): bn.process_group = None

@@ -169,7 +169,7 @@ class _FusedMixin(AsStock):
     "What every module clfast fuses is: pickles as its stock class (no clfast needed to load it), deep-copies as itself"
     _own_attrs = ('surgical',)
 
-# %% ../nbs/23_fused.ipynb #66694f6c
+# %% ../nbs/23_fused.ipynb #3dca509e
 def _act_spec(act, act_param, relu, default):
     "`(name, param)` from `act` (a name, a module) or the older `relu=True/False` spelling, else `default`"
     if relu is not None and act is not None: raise ValueError(f"give either relu={relu} or act={act!r}, not both")
@@ -193,6 +193,7 @@ class FusedConvBN2d(_FusedMixin, nn.Conv2d):
         self.bn = nn.BatchNorm2d(out_channels, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         name, p = _act_spec(act, act_param, relu, 'relu')
         self.__dict__.update(act=name, act_param=p, mode=check_mode(mode), surgical=False)
+        kernels_ready()   # now, not in a traced forward
 
     @classmethod
     def from_modules(cls, conv:nn.Conv2d, bn:nn.BatchNorm2d, relu:bool|None=None, mode:str='speed',
@@ -211,6 +212,7 @@ class FusedConvBN2d(_FusedMixin, nn.Conv2d):
             name, p = own
         conv.__class__ = cls
         conv.__dict__.update(_fused_bn=bn, act=name, act_param=p, mode=check_mode(mode), surgical=True)
+        kernels_ready()   # now, not in a traced forward
         bn.__class__ = pass_through(stock_class(bn))
         return conv
 

@@ -101,7 +101,7 @@ def _(y, group):
 @torch.library.register_fake("clfast::synced_grad_means", lib=_lib)
 def _(sum_dz, sum_dzx, y, group): return sum_dz.new_empty(2, sum_dz.shape[0])
 
-# %% ../nbs/21_ops.ipynb #ef3b7a31
+# %% ../nbs/21_ops.ipynb #8a79ac8e
 _loaded: dict[str, Optional[str]] = {}   # 'cpu' -> None once loaded, else why not
 _OTHER_KERNELS = dict(ref=lambda: REFERENCE, triton=_triton)
 _FORCED: list[torch.library.Library] = []   # CLFAST_KERNELS's registration: the process's
@@ -123,20 +123,25 @@ def kernels_from(name:str, key:str='CPU'):
     finally: lib._destroy()
 
 def kernels_ready() -> bool:
-    "Whether the fused layer's op can run: its C++ library built (once per machine) and loaded; warns once, saying why, where not"
-    if 'cpu' not in _loaded:
-        from clfast import cpu_kernels
-        try:
-            cpu_kernels.load()
-            _loaded['cpu'] = None
-        except CpuIsaError: raise   # a misspelt CLFAST_MAX_CPU_ISA is the user's to fix, not a reason to run slowly
-        except Exception as e:
-            _loaded['cpu'] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"clfast: the fused layers run as their stock modules ({_loaded['cpu']})", stacklevel=2)
-            return False
-        forced = os.environ.get('CLFAST_KERNELS', '').lower()
-        if forced: _FORCED.append(_serve(forced))
+    """Whether the fused layer's op can run: its C++ library built (once per machine) and loaded; warns once, saying
+    why, where not. Fused and precise modules ask when they are made, so a model compiled before its first eager step
+    finds the library loaded (torch.compile cannot trace the loading)"""
+    if 'cpu' not in _loaded: _load_kernels()
     return _loaded['cpu'] is None
+
+@torch.compiler.disable
+def _load_kernels():
+    from clfast import cpu_kernels
+    try:
+        cpu_kernels.load()
+        _loaded['cpu'] = None
+    except CpuIsaError: raise   # a misspelt CLFAST_MAX_CPU_ISA is the user's to fix, not a reason to run slowly
+    except Exception as e:
+        _loaded['cpu'] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"clfast: the fused layers run as their stock modules ({_loaded['cpu']})", stacklevel=3)
+        return
+    forced = os.environ.get('CLFAST_KERNELS', '').lower()
+    if forced: _FORCED.append(_serve(forced))
 
 # %% ../nbs/21_ops.ipynb #7ddcb450
 def _out_size(x:Tensor, weight:Optional[Tensor], geom:ConvGeometry) -> list[int]:

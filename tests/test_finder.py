@@ -37,9 +37,19 @@ def test_format_find_measures_every_setup_and_leaves_the_learner_as_it_was():
     before = _snapshot(learn)
     df = learn.format_find(n_batches=2, show_plot=False, budget=None)
     _same(before, _snapshot(learn))
-    assert list(df.columns[:5]) == ['samples_per_s', 'speedup', 'memory_mib', 'loss_drift', 'grad_drift']
+    assert list(df.columns[:7]) == ['samples_per_s', 'speedup', 'memory_mib', 'loss_drift', 'grad_drift', 'grad_error',
+                                    'stock_grad_error']
     assert df.index[0] == 'contiguous fp32' and df.loc['contiguous fp32', 'speedup'] == 1.0
     assert (df.error == '').all() and (df.steps == 2).all() and (df.samples_per_s > 0).all()
+    # one statistic: the speedups are the samples per second over the baseline's
+    np.testing.assert_allclose(df.speedup, df.samples_per_s / df.loc['contiguous fp32', 'samples_per_s'])
+    # against fp64: each fp32 setup's yardstick is contiguous fp32's own error; every error is measured, none exactly 0.
+    # (Not asserted: that channels-last fp32 is within 3x. In about 1 run of 12 this trained, fused learner's batch made
+    # every channels-last fp32 setup 2e-2 off fp64 on one parameter where contiguous fp32 was 1e-6 off: the finder
+    # then rightly leaves them out. What stock kernel does that is open)
+    fp32_rows = df[[' fp32' in name for name in df.index]]
+    assert (fp32_rows.stock_grad_error == df.loc['contiguous fp32', 'grad_error']).all()
+    assert (df.grad_error > 0).all() and (df.grad_error < 1).all() and (df.stock_grad_error > 0).all()
     # fp32 setups train the same, fused or not; half-precision rows exist only where the CPU runs one fast (and drift more)
     fp32 = df[[' fp32' in name for name in df.index]]
     assert len(fp32) == 4 and (fp32.grad_drift < 1e-3).all() and (fp32.loss_drift < 1e-2).all()
@@ -82,16 +92,22 @@ def test_bad_input_clear_message_nothing_changed():
     with pytest.raises(ValueError, match='no 4D/5D floating-point image'): learn.format_find(show_plot=False)
     assert learn.cbs.map(type).filter(lambda t: t is ChannelsLast) == []
 
-def test_best_setup_skips_drifting_and_failed_setups():
+def test_best_setup_judges_by_numerics_against_fp64():
+    """A setup is accepted when its gradients are within 3x as close to fp64 as its precision's stock setup's: bf16
+    far from fp32 (grad_drift 1.4) but as close to fp64 as stock bf16 is accepted; an fp32 setup 10x off is not"""
     s = [BASELINE, Setup(), Setup(True, None, 'speed'), Setup(True, torch.bfloat16)]
     df = pd.DataFrame(dict(setup=[x.name for x in s], samples_per_s=[1., 1.1, 3., 2.], speedup=[1., 1.1, 3., 2.],
-                           memory_mib=[1.]*4, loss_drift=[0., 1e-5, 0.4, 1e-2], grad_drift=[0., 1e-5, 0.4, 2e-2],
+                           memory_mib=[1.]*4, loss_drift=[0., 1e-5, 0.4, 0.3], grad_drift=[0., 0.035, 0.4, 1.4],
+                           grad_error=[1e-5, 2e-5, 1e-4, 3e-2], stock_grad_error=[1e-5, 1e-5, 1e-5, 2e-2],
                            steps=[2]*4, error=['']*4)).set_index('setup')
     df.attrs['setups'] = {x.name: x for x in s}
     best, why = best_setup(df)
-    assert best == Setup(True, torch.bfloat16) and 'fuse=speed' in why    # 3x but its gradients differ: left out, said so
+    assert best == Setup(True, torch.bfloat16) and 'fuse=speed' in why    # 3x as fast but 10x off fp64: left out, said so
+    assert 'channels-last fp32,' not in why and 'channels-last fp32 fuse=speed' in why
     df.loc['channels-last bf16', 'error'] = 'boom'
     assert best_setup(df)[0] == Setup()
+    df.loc['channels-last fp32', 'grad_error'] = float('nan')                 # no fp64 yardstick: not accepted
+    assert best_setup(df)[0] == BASELINE
 
 def test_to_channelslast_auto_applies_the_best_and_reuses_the_table(monkeypatch, capsys):
     learn = learner()

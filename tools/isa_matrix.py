@@ -10,7 +10,7 @@ whole suite's run (tools/test.sh runs it after this). Exits 1 if any level fails
 On the project's 2-core AVX-512 machine a kind's tests took 1.5-4 minutes (with the machine's load), plus 1.5 to build
 clfast's kernels at its level.
 """
-import os, re, subprocess, sys, time
+import os, re, subprocess, sys, time, tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +87,10 @@ def main(argv:list) -> int:
     for k in run:
         t0 = time.perf_counter()
         env = {**os.environ, **env_of(k), 'PYTHONPATH': os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get('PYTHONPATH')] if p])}
-        ok, summary = run_kind(k, env)
+        # inductor's own cache per kind: its keys leave ATEN_CPU_CAPABILITY out, so a kernel generated with AVX-512
+        # vectors was reused under ATEN_CPU_CAPABILITY=default and failed to compile ("'at::vec' has not been declared")
+        with tempfile.TemporaryDirectory(prefix=f"clfast-inductor-{k['name']}-") as cache:
+            ok, summary = run_kind(k, {**env, 'TORCHINDUCTOR_CACHE_DIR': cache})
         print(f"isa matrix: {describe(k)}: {'passed' if ok else 'FAILED'} in {time.perf_counter() - t0:.0f} s", flush=True)
         print(('  ' if ok else '') + summary, flush=True)
         if not ok: failed.append(k['name'])

@@ -101,7 +101,7 @@ def _(y, group):
 @torch.library.register_fake("clfast::synced_grad_means", lib=_lib)
 def _(sum_dz, sum_dzx, y, group): return sum_dz.new_empty(2, sum_dz.shape[0])
 
-# %% ../nbs/21_ops.ipynb #8a79ac8e
+# %% ../nbs/21_ops.ipynb #83ec09d0
 _loaded: dict[str, Optional[str]] = {}   # 'cpu' -> None once loaded, else why not
 _OTHER_KERNELS = dict(ref=lambda: REFERENCE, triton=_triton)
 _FORCED: list[torch.library.Library] = []   # CLFAST_KERNELS's registration: the process's
@@ -129,8 +129,11 @@ def kernels_ready() -> bool:
     if 'cpu' not in _loaded: _load_kernels()
     return _loaded['cpu'] is None
 
-@torch.compiler.disable
 def _load_kernels():
+    # not `torch.compiler.disable`: it imports torch._dynamo, 1.2 s of every `import clfast`
+    if torch.compiler.is_compiling():
+        raise RuntimeError("clfast's C++ library loads outside torch.compile: make the fused or precise modules, or call "
+                           "clfast.ops.kernels_ready(), before compiling")
     from clfast import cpu_kernels
     try:
         cpu_kernels.load()

@@ -40,7 +40,7 @@ def conv_geometry(conv:nn.Conv2d) -> ConvGeometry|None:
         pad = tuple(s//2 for s in span)
     return ConvGeometry(tuple(conv.stride), tuple(pad), tuple(conv.dilation), conv.groups)
 
-# %% ../nbs/23_fused.ipynb #e3372ee0
+# %% ../nbs/23_fused.ipynb #6861ed84
 def _autocast_on(dev:str) -> bool:
     "Autocast is on for device type `dev` (never for one autocast does not know, such as 'meta': a shape-only run)"
     return torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
@@ -62,11 +62,11 @@ def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|Non
     a = get_act(act)
     if not kernels_ready(): return _stock_layer(x, conv, bn, residual, a, act_param)
     if _way(x, conv, bn, residual, a, act_param, keep_y) == 'stock': return _stock_layer(x, conv, bn, residual, a, act_param)
-    return _fused_layer(x, conv, bn, residual, a, act_param, keep_y)
+    return _fused_layer(x, conv, bn, residual, a, act_param, keep_y, geom)
 
-def _fused_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, keep_y:bool) -> Tensor:
-    "The layer as clfast's op"
-    geom = conv_geometry(conv)
+def _fused_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, keep_y:bool,
+                 geom:ConvGeometry) -> Tensor:
+    "The layer as clfast's op (`geom`: `conv_geometry(conv)`)"
     xc, w, b, res = _autocast(x, conv.weight, conv.bias, residual)
     # a conv that would reach a known-bad stock kernel runs as `clfast.guard` says (its plan is set by `guard_model`), and
     # so does one whose input is too short for ATen's fast channels-last weight gradient (`short_input_plan`)
@@ -89,7 +89,7 @@ def _stock_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
     if residual is not None: z = z + residual
     return a(z, act_param)
 
-# %% ../nbs/23_fused.ipynb #148b6a3d
+# %% ../nbs/23_fused.ipynb #faa592d5
 LAYER_WAYS = ('fused', 'stock', 'timed')
 LAYER_WAY_CACHE = 'layer_ways'   # the `MachineCache` of the choices timed here
 _layer_way = 'timed'
@@ -148,7 +148,8 @@ def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
             out = layer(x2, conv2, bn2, res2, a, act_param)
             if grad: out.backward(torch.ones_like(out))
         return f
-    fns = dict(fused=run(lambda *args: _fused_layer(*args, keep_y=True)), stock=run(_stock_layer))
+    geom = conv_geometry(conv)
+    fns = dict(fused=run(lambda *args: _fused_layer(*args, keep_y=True, geom=geom)), stock=run(_stock_layer))
     times = {k: [] for k in fns}
     for r in range(1 + TIMED_ROUNDS):
         for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):

@@ -59,7 +59,7 @@ def ext_name(level:str|None=None) -> str:
     # file names the source path)
     return f"clfast_bn_act_{level}_{_digest(level, paths=True)}"
 
-# %% ../nbs/22_cpu_kernels.ipynb #9ccec7d7
+# %% ../nbs/22_cpu_kernels.ipynb #c0123baa
 _lock, _lib = threading.Lock(), None
 
 def _build(level:str, verbose:bool):
@@ -71,16 +71,33 @@ def library_path() -> Path|None:
     "Path of the loaded kernel library (None before `load`)"
     return _lib
 
-def is_built(level:str|None=None) -> bool:
-    "Whether this machine's cache already holds the library of `level` (default: `clfast_isa()`) for these sources and torch"
+def _cached_library(level:str|None=None) -> Path:
+    "Where the cache keeps the library of `level` (default: `clfast_isa()`) for these sources and torch"
     from torch.utils.cpp_extension import _get_build_directory
     name = ext_name(level)
-    try: return (Path(_get_build_directory(name, False))/f"{name}.so").exists()
+    return Path(_get_build_directory(name, False))/f"{name}.so"
+
+def is_built(level:str|None=None) -> bool:
+    "Whether this machine's cache already holds the library of `level` (default: `clfast_isa()`) for these sources and torch"
+    try: return _cached_library(level).exists()
     except Exception: return False
+
+def _fingerprint(lib:Path) -> str: return hashlib.sha1(lib.read_bytes()).hexdigest()
+
+def _seal(level:str):
+    "Record, beside a library just built, what it is: `_sealed` checks it before the library is loaded again"
+    lib = _cached_library(level)
+    lib.with_suffix('.sha1').write_text(_fingerprint(lib))
+
+def _sealed(level:str) -> bool:
+    "Whether the cached library of `level` is the one its build sealed"
+    lib = _cached_library(level)
+    try: return lib.with_suffix('.sha1').read_text() == _fingerprint(lib)
+    except OSError: return False
 
 def _say(msg:str): print(f"clfast: {msg}", file=sys.stderr, flush=True)
 
-# %% ../nbs/22_cpu_kernels.ipynb #acc46d04
+# %% ../nbs/22_cpu_kernels.ipynb #ba3a4e1e
 PACKAGE = Path(clfast.__file__).parent
 
 def install_levels() -> list[str]:
@@ -147,8 +164,15 @@ def load(verbose:bool=False) -> Path|None:
             fresh, t0 = not is_built(level), time.perf_counter()   # a fresh cache compiles: say so, it takes a while
             if fresh: _say(f"compiling the C++ CPU kernels at level {level} for this torch ({not_installed}; once, "
                            "cached for later runs) ...")
+            if not fresh and not _sealed(level):
+                # loading a truncated library kills the process (SIGBUS): one that is not as built is built again
+                _say(f"the cached C++ CPU kernels at level {level} are not as built (corrupted, or left by a killed "
+                     "build); rebuilding ...")
+                shutil.rmtree(_cached_library(level).parent, ignore_errors=True)
+                fresh = True
             try: _lib = _build(level, verbose)
             except Exception as e: raise RuntimeError(f"clfast C++ CPU kernels failed to build at level {level}: {e}") from e
+            if fresh: _seal(level)
             _lib = Path(_lib) if _lib else None
             if fresh: _say(f"C++ CPU kernels compiled in {time.perf_counter() - t0:.0f} s")
     return _lib

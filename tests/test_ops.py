@@ -318,3 +318,15 @@ def test_install_without_compiler_goes_on(tmp_path):
 
 def test_build_refuses_levels_above_this_cpu():
     with pytest.raises(ValueError, match='this CPU runs levels'): cpu_kernels.build(['avx1024'])
+
+def test_a_cached_library_loads_only_as_built(tmp_path, monkeypatch):
+    """The cache's library is loaded only when it is what its build sealed: a truncated one kills the loading process
+    (SIGBUS, measured), so `load` rebuilds it instead (seen end to end: 'not as built ... rebuilding', then the layer ran)"""
+    lib = tmp_path/'clfast_bn_act_generic_x.so'
+    monkeypatch.setattr(cpu_kernels, '_cached_library', lambda level=None: lib)
+    lib.write_bytes(b'\x7fELF' + bytes(5000))
+    assert not cpu_kernels._sealed('generic')               # never sealed: a build that did not finish
+    cpu_kernels._seal('generic')
+    assert cpu_kernels._sealed('generic')
+    lib.write_bytes(lib.read_bytes()[:1000])                 # truncated since
+    assert not cpu_kernels._sealed('generic')

@@ -40,10 +40,14 @@ def conv_geometry(conv:nn.Conv2d) -> ConvGeometry|None:
         pad = tuple(s//2 for s in span)
     return ConvGeometry(tuple(conv.stride), tuple(pad), tuple(conv.dilation), conv.groups)
 
-# %% ../nbs/23_fused.ipynb #6861ed84
+# %% ../nbs/23_fused.ipynb #c2614f1a
 def _autocast_on(dev:str) -> bool:
     "Autocast is on for device type `dev` (never for one autocast does not know, such as 'meta': a shape-only run)"
     return torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+
+def _no_autocast(dev:str):
+    "A context switching autocast off for device type `dev` where it is on (clfast's op casts its inputs itself)"
+    return torch.autocast(dev, enabled=False) if _autocast_on(dev) else contextlib.nullcontext()
 
 def _autocast(x, weight, bias, residual):
     dev = x.device.type
@@ -72,7 +76,7 @@ def _fused_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
     # so does one whose input is too short for ATen's fast channels-last weight gradient (`short_input_plan`)
     r = route(call_plan(conv, xc, w), xc, w, geom.stride, res)
     dev = x.device.type
-    with torch.autocast(dev, enabled=False) if _autocast_on(dev) else contextlib.nullcontext():
+    with _no_autocast(dev):
         out = fused_conv_bn(r.x, r.weight, b, bn.weight, bn.bias, **bn_args(bn), geometry=geom._replace(stride=r.stride),
                             residual=r.residual, act=a.name, act_param=act_param, keep_y=keep_y)
     return r.restore(out)
@@ -83,7 +87,7 @@ def _stock_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
     the activation"""
     z = guarded_conv(conv, x, conv.weight, conv.bias)
     if kernels_ready() and x.is_cpu and sync_group(bn) is None and IMPRECISE_CL_BATCH_NORM.present():
-        with torch.autocast(x.device.type, enabled=False) if _autocast_on(x.device.type) else contextlib.nullcontext():
+        with _no_autocast(x.device.type):
             z = fused_conv_bn(z, None, None, bn.weight, bn.bias, **bn_args(bn))   # `clfast.bn`'s precise BN
     else: z = (nn.SyncBatchNorm if is_sync_bn(bn) else nn.BatchNorm2d).forward(bn, z)   # BN's rules, whatever bn's class now
     if residual is not None: z = z + residual

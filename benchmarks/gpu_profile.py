@@ -1,0 +1,39 @@
+"""Where a CUDA training step of resnet50 spends its time, channels-last stock vs fused (AMP): wall time per step,
+the host's time to issue a step (no sync), and the top kernels/ops by GPU and by CPU time (torch.profiler).
+
+    python benchmarks/gpu_profile.py [--dtype bfloat16] [--bs 256]
+"""
+import argparse, copy, time, statistics, torch, torchvision
+from torch.profiler import profile, ProfilerActivity
+from clfast.fuse import fuse_conv_bn
+
+def main():
+    p = argparse.ArgumentParser(); p.add_argument('--dtype', default='bfloat16'); p.add_argument('--bs', type=int, default=256)
+    p.add_argument('--modes', nargs='+', default=['stock', 'speed']); p.add_argument('--rows', type=int, default=25)
+    a = p.parse_args(); dt = getattr(torch, a.dtype)
+    torch.manual_seed(0)
+    x = torch.randn(a.bs, 3, 224, 224, device='cuda').to(memory_format=torch.channels_last)
+    base = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    for mode in a.modes:
+        m = copy.deepcopy(base) if mode == 'stock' else fuse_conv_bn(copy.deepcopy(base), mode)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        def step():
+            with torch.autocast('cuda', dtype=dt): loss = m(x).float().logsumexp(1).mean()
+            loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        for _ in range(3): step()
+        torch.cuda.synchronize()
+        walls, issue = [], []
+        for _ in range(10):
+            t = time.perf_counter(); step(); i = time.perf_counter() - t; torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t); issue.append(i)
+        print(f"\n## {mode}: {statistics.median(walls)*1e3:.1f} ms per step, host issues it in "
+              f"{statistics.median(issue)*1e3:.1f} ms (median of 10)")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2): step()
+            torch.cuda.synchronize()
+        ka = prof.key_averages()
+        print(ka.table(sort_by='self_cuda_time_total', row_limit=a.rows, max_name_column_width=60))
+        print(ka.table(sort_by='self_cpu_time_total', row_limit=15, max_name_column_width=60))
+        del m, opt
+
+if __name__ == '__main__': main()

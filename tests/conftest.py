@@ -17,6 +17,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if 'cuda' in item.keywords: item.add_marker(skip)
 
+# The suite checks fp32 arithmetic against fp64: CUDA's default TF32 convolutions (10-bit mantissas, for clfast's conv
+# as for the stock one) would be its error, not the kernels'. Both follow the user's setting outside the suite
+torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+
 # Fused layers run fused in this suite, so that every test of them tests clfast's op; 'timed' (the default: the faster
 # of fused and stock per layer shape) has its own tests in test_fused.py, and the subprocess tests (README, notebooks)
 # run it

@@ -157,10 +157,12 @@ def test_autocast_not_left_on_after_model_error():
 def test_cuda_fp16_scaler_and_bf16():
     learn = tiny_learner().to_channelslast()
     learn.dls.cuda(); learn.model.cuda()
-    probe = Probe()
-    _fit(learn, probe)
+    probe, scaler_on = Probe(), []
+    class Scaler(Callback):   # fastai drops its GradScaler after fit: look during it
+        def after_batch(self): scaler_on.append(self.learn.scaler.is_enabled())
+    _fit(learn, probe, Scaler())
     assert set(probe.pred_dtypes) == {torch.float16} and learn.mixed_precision.dtype == torch.float16
-    assert learn.scaler.is_enabled()
+    assert scaler_on and all(scaler_on)
     learn.to_channelslast(amp_mode='bf16')
     probe = Probe(); _fit(learn, probe)
     assert set(probe.pred_dtypes) == {torch.bfloat16}

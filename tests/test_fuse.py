@@ -186,13 +186,16 @@ def test_fold_of_fused_model():
 @pytest.mark.cuda
 @pytest.mark.parametrize('mode', ['speed', 'memory'])
 def test_surgery_cuda_amp(mode):
+    "A fused resnet50's training step on CUDA is as close to fp64 as the stock model's, in fp32 and under fp16/bf16 autocast"
+    from test_fused import rel_err, within_precision
     torch.manual_seed(0)
     ref = randomize_bn(MODELS['tv_resnet50']()).cuda().to(memory_format=torch.channels_last)
     m = fuse_conv_bn(copy.deepcopy(ref), mode)
     x = torch.randn(8, 3, 96, 96, device='cuda').to(memory_format=torch.channels_last)
-    for dt, tol in [(torch.float32, 1e-3), (torch.float16, 3e-2), (torch.bfloat16, 6e-2)]:
+    o64, g64 = step(copy.deepcopy(ref).double(), x.double())
+    keys = ('fc.weight', 'layer4.2.bn3.weight', 'layer1.0.conv1.weight', 'conv1.weight')
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
         with torch.autocast('cuda', dtype=dt, enabled=dt != torch.float32):
             (o1, g1), (o2, g2) = step(m, x), step(ref, x)
-        torch.testing.assert_close(o1.float(), o2.float(), rtol=tol, atol=tol)
-        for k in ('fc.weight', 'layer4.2.bn3.weight', 'conv1.weight'):
-            torch.testing.assert_close(g1[k], g2[k], rtol=10 * tol, atol=tol, msg=k)
+        errs = lambda o, g: {'out': rel_err(o, o64), **{k: rel_err(g[k], g64[k]) for k in keys}}
+        within_precision(errs(o1, g1), errs(o2, g2), dt, factor=3.)   # 50 layers deep: roundings compound in both

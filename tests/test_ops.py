@@ -28,12 +28,13 @@ def backend(name):
     "'kernel': the device's own kernels; 'ref': the pure-PyTorch ones"
     return contextlib.nullcontext() if name == 'kernel' else ops.kernels_from('ref')
 
-def oracle(x, w, b, bw, bb, res, rm, rv, training, act, p, stride=1, padding=1, round_to=None):
-    """The stock composition, in whatever dtype its inputs are (fp64 for the oracle). With `round_to` the conv output is
-    rounded to that dtype (gradient passed straight through), as the layer's is: otherwise a value near an activation's
-    kink lands on different sides of it in the two and a low-precision comparison fails at random."""
+def oracle(x, w, b, bw, bb, res, rm, rv, training, act, p, stride=1, padding=1, y_as=None):
+    """The stock composition, in whatever dtype its inputs are (fp64 for the oracle). With `y_as` the conv output takes
+    those values (gradient passed straight through): the layer's own conv output in its dtype. Otherwise a value near an
+    activation's kink lands on different sides of it in the two and a low-precision comparison fails at random (rounding
+    the fp64 conv output is not enough: cuDNN's bf16 conv rounds 1 ulp off it here and there)."""
     y = F.conv2d(x, w, b, stride, padding)
-    if round_to is not None: y = y + (y.to(round_to).to(y.dtype) - y).detach()
+    if y_as is not None: y = y + (y_as.to(y) - y).detach()
     z = F.batch_norm(y, None if training else rm, None if training else rv, bw, bb, training=training, eps=1e-5)
     if res is not None: z = z + res
     return ACTS[act](z, p)
@@ -64,9 +65,10 @@ def check(dt, act, p, res, training, keep_y, affine=True, bias=True, shape=(2, 6
     exp_in = [t.clone().requires_grad_() for t in lead]
     it = iter(exp_in[2:])
     eb, ebw, ebb, er = (next(it) if t is not None else None for t in (b, bw, bb, r))
-    exp = oracle(exp_in[0], exp_in[1], eb, ebw, ebb, er, rm, rv, training, act, p, round_to=dt)
-    exp_grads = torch.autograd.grad(exp, exp_in, dout)
     cl = lambda t: t.to(device, dt).to(memory_format=torch.channels_last) if t.dim() == 4 else t.to(device, dt)
+    y_dev = F.conv2d(cl(x), cl(w), None if b is None else cl(b), 1, 1).cpu()   # the conv the layer runs, in dt
+    exp = oracle(exp_in[0], exp_in[1], eb, ebw, ebb, er, rm, rv, training, act, p, y_as=y_dev)
+    exp_grads = torch.autograd.grad(exp, exp_in, dout)
     got_in = [cl(t).requires_grad_() for t in [x, w]] + [t.to(device).requires_grad_() if t is not bw and t is not bb and t is not b
               else t.to(device, pdt).requires_grad_() for t in lead[2:]]
     if r is not None: got_in[-1] = cl(r).requires_grad_()
@@ -293,7 +295,10 @@ def test_gradcheck_fp64(act, res, training, which, device='cpu'):
     with backend(which): assert torch.autograd.gradcheck(f, (x, w, bw, bb, *([r] if res else [])))
 
 @pytest.mark.cuda
-def test_gradcheck_fp64_cuda(): test_gradcheck_fp64('silu', True, True, 'kernel', 'cuda')
+def test_gradcheck_fp64_cuda():
+    "Also checks that the CUDA backward is deterministic (gradcheck runs it twice), given cuDNN's deterministic convs"
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
+        test_gradcheck_fp64('silu', True, True, 'kernel', 'cuda')
 
 def test_installed_library_only_when_current(tmp_path, monkeypatch):
     "The install's library of a level loads only when its name says: this level, this torch, these sources and flags"

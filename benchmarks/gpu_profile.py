@@ -10,6 +10,7 @@ from clfast.fuse import fuse_conv_bn
 def main():
     p = argparse.ArgumentParser(); p.add_argument('--dtype', default='bfloat16'); p.add_argument('--bs', type=int, default=256)
     p.add_argument('--modes', nargs='+', default=['stock', 'speed']); p.add_argument('--rows', type=int, default=25)
+    p.add_argument('--cprofile', action='store_true', help="also the host's Python time by function (cProfile)")
     a = p.parse_args(); dt = getattr(torch, a.dtype)
     torch.manual_seed(0)
     x = torch.randn(a.bs, 3, 224, 224, device='cuda').to(memory_format=torch.channels_last)
@@ -31,9 +32,33 @@ def main():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(2): step()
             torch.cuda.synchronize()
+        if a.cprofile:
+            import cProfile, pstats
+            pr = cProfile.Profile(); pr.enable()
+            for _ in range(3): step()
+            torch.cuda.synchronize(); pr.disable()
+            pstats.Stats(pr).sort_stats('tottime').print_stats(30)
         ka = prof.key_averages()
         print(ka.table(sort_by='self_cuda_time_total', row_limit=a.rows, max_name_column_width=60))
         print(ka.table(sort_by='self_cpu_time_total', row_limit=15, max_name_column_width=60))
         del m, opt
 
-if __name__ == '__main__': main()
+def launch_cost():
+    "Host microseconds per Triton launch of a tiny kernel: through `kernel[grid]`, and through its compiled handle"
+    import triton, triton.language as tl
+    @triton.jit
+    def _k(x_ptr, y_ptr, n, A: tl.constexpr, B: tl.constexpr):
+        i = tl.arange(0, 16); tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+    x, y = torch.zeros(16, device='cuda'), torch.zeros(16, device='cuda')
+    ck = _k[(1,)](x, y, 16, A=1, B=2); torch.cuda.synchronize()
+    for name, f in [('kernel[grid]', lambda: _k[(1,)](x, y, 16, A=1, B=2)), ('compiled[grid]', lambda: ck[(1, 1, 1)](x, y, 16))]:
+        for _ in range(50): f()
+        torch.cuda.synchronize(); t = time.perf_counter()
+        for _ in range(2000): f()
+        dt = (time.perf_counter() - t) / 2000; torch.cuda.synchronize()
+        print(f"launch through {name}: {dt*1e6:.1f} us of host time")
+
+if __name__ == '__main__':
+    main()
+    try: launch_cost()
+    except Exception as e: print('launch_cost failed:', repr(e))

@@ -51,7 +51,10 @@ def launch_cost():
         i = tl.arange(0, 16); tl.store(y_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
     x, y = torch.zeros(16, device='cuda'), torch.zeros(16, device='cuda')
     ck = _k[(1,)](x, y, 16, A=1, B=2); torch.cuda.synchronize()
-    for name, f in [('kernel[grid]', lambda: _k[(1,)](x, y, 16, A=1, B=2)), ('compiled[grid]', lambda: ck[(1, 1, 1)](x, y, 16))]:
+    for name, f in [('kernel[grid]', lambda: _k[(1,)](x, y, 16, A=1, B=2)), ('compiled[grid]', lambda: ck[(1, 1, 1)](x, y, 16)),
+                    ('compiled[grid] (constexprs too)', lambda: ck[(1, 1, 1)](x, y, 16, 1, 2))]:
+        try: f(); torch.cuda.synchronize(); assert torch.equal(x, y)
+        except Exception as e: print(f"launch through {name}: {e!r}"); continue
         for _ in range(50): f()
         torch.cuda.synchronize(); t = time.perf_counter()
         for _ in range(2000): f()

@@ -16,6 +16,7 @@ import torch, timm, torchvision
 from torch import nn
 from clfast.fuse import fuse_conv_bn, fold_conv_bn, fusion_report
 from clfast.cpu_kernels import set_gemm_backward, gemm_backward_choices
+from clfast.fused import set_layer_way
 
 MiB = 2**20
 
@@ -67,6 +68,15 @@ def train_step_fn(model, x, dev='cpu', amp=None):
             loss = model(x).float().logsumexp(1).mean()
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
         if dev == 'cuda': torch.cuda.synchronize()
+    return f
+
+def with_layer_way(step, way:str|None):
+    "`step` with fused layers run `way` ('fused', 'stock', 'timed'; None: as set)"
+    if way is None: return step
+    def f():
+        before = set_layer_way(way)
+        try: step()
+        finally: set_layer_way(before)
     return f
 
 def gemm_backward_by(step, how:str):
@@ -159,16 +169,18 @@ def section_gpu(args):
     torch.manual_seed(0)
     x = torch.randn(bs, 3, px, px, device='cuda')
     base = torchvision.models.resnet50().cuda()
-    variants = {'contiguous_amp': (lambda: copy.deepcopy(base), x),
-                'cl_amp': (lambda: cl(copy.deepcopy(base)), x.to(memory_format=torch.channels_last)),
-                'fused_speed': (lambda: fuse_conv_bn(cl(copy.deepcopy(base)), 'speed'), x.to(memory_format=torch.channels_last)),
-                'fused_memory': (lambda: fuse_conv_bn(cl(copy.deepcopy(base)), 'memory'), x.to(memory_format=torch.channels_last))}
+    xcl = x.to(memory_format=torch.channels_last)
+    fused = lambda mode: lambda: fuse_conv_bn(cl(copy.deepcopy(base)), mode)
+    # (model maker, input, fused layers' way): 'fused' always runs clfast's op, 'timed' (the default) the faster per layer
+    variants = {'contiguous_amp': (lambda: copy.deepcopy(base), x, None), 'cl_amp': (lambda: cl(copy.deepcopy(base)), xcl, None),
+                'fused_speed': (fused('speed'), xcl, 'fused'), 'fused_timed': (fused('speed'), xcl, 'timed'),
+                'fused_memory': (fused('memory'), xcl, 'fused')}
     if not args.no_compile:
-        variants['compile_cl_amp'] = (lambda: torch.compile(cl(copy.deepcopy(base))), x.to(memory_format=torch.channels_last))
+        variants['compile_cl_amp'] = (lambda: torch.compile(cl(copy.deepcopy(base))), xcl, None)
     res = {}
-    for k, (make, inp) in variants.items():  # one model at a time so that peak memory is per mode
+    for k, (make, inp, way) in variants.items():  # one model at a time so that peak memory is per mode
         m = make(); torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
-        f = train_step_fn(m, inp, 'cuda', dt)
+        f = with_layer_way(train_step_fn(m, inp, 'cuda', dt), way)
         t0 = time.perf_counter(); f(); f(); warm = time.perf_counter() - t0
         ts = []
         for _ in range(args.rounds * 4):

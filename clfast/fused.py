@@ -93,7 +93,7 @@ def _stock_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
     if residual is not None: z = z + residual
     return a(z, act_param)
 
-# %% ../nbs/23_fused.ipynb #faa592d5
+# %% ../nbs/23_fused.ipynb #d7163591
 LAYER_WAYS = ('fused', 'stock', 'timed')
 LAYER_WAY_CACHE = 'layer_ways'   # the `MachineCache` of the choices timed here
 _layer_way = 'timed'
@@ -117,14 +117,16 @@ def _traced(x:Tensor) -> bool:
 
 def _layer_key(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, grad:bool) -> tuple:
     "What the choice depends on: shapes, geometry, dtype under autocast, activation, residual, BN mode, gradients"
-    dt = torch.get_autocast_dtype('cpu') if _autocast_on('cpu') else x.dtype
-    return (tuple(x.shape), tuple(conv.weight.shape), conv.stride, conv.padding, conv.dilation, conv.groups, str(dt),
-            a.name, act_param, residual is not None, bn.training, grad)
+    dev = x.device.type
+    dt = torch.get_autocast_dtype(dev) if _autocast_on(dev) else x.dtype
+    where = (torch.cuda.get_device_name(x.device),) if x.is_cuda else ()   # the machine's key names its CPU, not its GPUs
+    return (*where, tuple(x.shape), tuple(conv.weight.shape), conv.stride, conv.padding, conv.dilation, conv.groups,
+            str(dt), a.name, act_param, residual is not None, bn.training, grad)
 
 def _way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, keep_y:bool) -> str:
     "'fused' or 'stock': how this call of the layer runs"
     if _layer_way != 'timed': return _layer_way
-    if not keep_y or not x.is_cpu or sync_group(bn) is not None or torch.are_deterministic_algorithms_enabled() \
+    if not keep_y or x.device.type not in ('cpu', 'cuda') or sync_group(bn) is not None or torch.are_deterministic_algorithms_enabled() \
        or _traced(x): return 'fused'
     grad = torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad)
     key = _layer_key(x, conv, bn, residual, a, act_param, grad)
@@ -154,10 +156,11 @@ def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
         return f
     geom = conv_geometry(conv)
     fns = dict(fused=run(lambda *args: _fused_layer(*args, keep_y=True, geom=geom)), stock=run(_stock_layer))
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)   # a GPU's time is the host's and the device's
     times = {k: [] for k in fns}
     for r in range(1 + TIMED_ROUNDS):
         for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            t = time.perf_counter(); fns[k](); dt = time.perf_counter() - t
+            sync(); t = time.perf_counter(); fns[k](); sync(); dt = time.perf_counter() - t
             if r: times[k].append(dt)
     wins = sum(s < f for s, f in zip(times['stock'], times['fused']))
     clear = statistics.median(times['stock']) <= STOCK_MARGIN * statistics.median(times['fused'])

@@ -368,25 +368,28 @@ def test_stock_way_is_stock(act, res):
         compare(f, conv, bn, x, torch.randn(2, 6, 6, 6) if res else None, act)
 
 @needs_cxx
-def test_timed_way_once_per_shape(tmp_path, monkeypatch):
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=pytest.mark.cuda)])
+def test_timed_way_once_per_shape(device, tmp_path, monkeypatch):
     """'timed': the first call of a shape times both ways on copies (the module's statistics see one update, its
-    gradients one backward), keeps the faster in this process and in the machine's cache; later calls run it"""
+    gradients one backward), keeps the faster in this process and in the machine's cache; later calls run it. A GPU's
+    choices are keyed by its name too"""
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
     monkeypatch.setattr(fused_mod, '_ways', {})
     timed = []
     real = fused_mod._timed_way
     monkeypatch.setattr(fused_mod, '_timed_way', lambda *a: timed.append(1) or real(*a))
-    f, conv, bn = pair(5, 6, act='silu')
-    x = torch.randn(2, 5, 6, 6).to(memory_format=torch.channels_last)
+    f, conv, bn = pair(5, 6, act='silu', device=device)
+    x = torch.randn(2, 5, 6, 6, device=device).to(memory_format=torch.channels_last)
     with layer_way('timed'):
         compare(f, conv, bn, x, None, 'silu')            # one update, one backward: as stock
         assert timed == [1]
         ways = fused_mod.layer_ways()
         assert len(ways) == 1 and set(ways.values()) <= {'fused', 'stock'}
+        assert (device == 'cuda') == (torch.cuda.is_available() and torch.cuda.get_device_name() in next(iter(ways)))
         assert MachineCache(fused_mod.LAYER_WAY_CACHE).entries() == ways
         for _ in range(2): f(x).sum().backward()
         assert timed == [1]                               # the same shape: not timed again
-        f(torch.randn(3, 5, 6, 6)).sum().backward()
+        f(torch.randn(3, 5, 6, 6, device=device)).sum().backward()
         assert timed == [1, 1]                            # another shape is
         monkeypatch.setattr(fused_mod, '_ways', {})
         f(x).sum().backward()

@@ -13,3 +13,4 @@ from .act import ACTS, act_of, get_act
 from .ops import fused_conv_bn, register_kernels, kernels_ready, kernels_from
 from .reference import ConvGeometry
 from .distrib import *
+from .patches import Patch, PATCHES, install, installed

@@ -1,6 +1,7 @@
 """Multi-process training with real processes: 2 ranks on gloo over loopback, spawned by each test and bounded in time
 (every collective times out after `TIMEOUT` s, and a rank that raises ends the test with its error)."""
-import copy, os, socket, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
+import copy, os, socket, subprocess, sys, textwrap, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
+from pathlib import Path
 import torch.nn.functional as F
 from datetime import timedelta
 from torch import nn
@@ -45,16 +46,16 @@ def _train(model:nn.Module, x, y, n_total:int, steps:int=3):
 def _sync_worker(rank, init, out, mode, order, dtype, sizes, kernels, exchange):
     if exchange == 'msg': os.environ['CLFAST_HOST_EXCHANGE'] = '0'   # gloo's messages, as between hosts
     if kernels == 'triton': os.environ.update(CLFAST_KERNELS='triton', TRITON_INTERPRET='1')   # CUDA's code path
-    from clfast.fuse import fuse_conv_bn, unfuse_conv_bn
+    from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, convert_sync_batchnorm
     _init(rank, init)
     try:
         model = _net().to(dtype)
-        if mode == 'off': model = nn.SyncBatchNorm.convert_sync_batchnorm(model)   # every BN unfused
+        if mode == 'off': model = convert_sync_batchnorm(model)   # every BN unfused: clfast's converter (CPU)
         elif order == 'fuse-first':   # fastai's order: ChannelsLast fuses in before_fit, then DistributedTrainer converts
             fuse_conv_bn(model, mode)
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        else:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        else:   # converted before anything was fused: clfast's converter (PyTorch's has no CPU SyncBatchNorm)
+            model = convert_sync_batchnorm(model)
             fuse_conv_bn(model, mode)
         model = model.to(memory_format=torch.channels_last)
         x, y = _data(sum(sizes))
@@ -103,9 +104,10 @@ def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, 
 def _reinit_worker(rank, init):
     "A process group destroyed and made again (a notebook re-running its setup) gets fresh collectives, not stale ones"
     from clfast.fused import FusedConvBN2d
+    from clfast.fuse import convert_sync_batchnorm
     for i in range(2):
         _init(rank, f"{init}{i}")
-        f = nn.SyncBatchNorm.convert_sync_batchnorm(FusedConvBN2d(3, 4, 3, padding=1))
+        f = convert_sync_batchnorm(FusedConvBN2d(3, 4, 3, padding=1))
         torch.manual_seed(rank)
         f(torch.randn(2 + rank, 3, 6, 6)).sum().backward()
         every = [torch.empty(4) for _ in range(WORLD)]
@@ -139,13 +141,13 @@ def one_rank_gloo(tmp_path):
 def test_unfused_bn_on_cpu_is_synchronized_by_clfast(one_rank_gloo, monkeypatch):
     "PyTorch's SyncBatchNorm cannot run on the CPU: a BN clfast cannot fuse becomes clfast's precise SyncBatchNorm in "
     "place; where that cannot run either (no C++ kernels), it is refused by name, before any change"
-    import clfast.fuse
+    import clfast.fuse.syncbn
     from clfast.fuse import fuse_conv_bn
     from clfast.bn import PreciseSyncBatchNorm
     m = nn.Sequential(nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
     fuse_conv_bn(m)
     kinds = [type(a) for a in m.modules()]
-    monkeypatch.setattr(clfast.fuse, 'cpu_sync_capable', lambda bn: False)
+    monkeypatch.setattr(clfast.fuse.syncbn, 'cpu_sync_capable', lambda bn: False)
     with pytest.raises(RuntimeError, match=r"would become.*: 0 \(BN's input is the module's input.*sync_bn=False"):
         nn.SyncBatchNorm.convert_sync_batchnorm(m)
     assert [type(a) for a in m.modules()] == kinds
@@ -156,9 +158,10 @@ def test_unfused_bn_on_cpu_is_synchronized_by_clfast(one_rank_gloo, monkeypatch)
 def test_standalone_fused_module_converts(one_rank_gloo):
     "A FusedConvBN2d built directly runs its child `bn`: converted in place, it synchronizes and unfolds to SyncBatchNorm"
     from clfast.fused import FusedConvBN2d, is_sync_bn
+    from clfast.fuse import convert_sync_batchnorm
     f = FusedConvBN2d(3, 4, 3, padding=1)
     bn = f.bn
-    g = nn.SyncBatchNorm.convert_sync_batchnorm(f)
+    g = convert_sync_batchnorm(f)
     assert g is f and f.bn is bn and is_sync_bn(f.bn) and not isinstance(f.bn, nn.SyncBatchNorm)
     assert [type(m) for m in f.to_stock()][:2] == [nn.Conv2d, nn.SyncBatchNorm]
     DDP(f)   # DDP refuses real SyncBatchNorm modules on the CPU; the pass-through is a BatchNorm2d
@@ -215,3 +218,20 @@ def test_readme_script_runs_as_written(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'train_loss' in r.stdout
+
+def test_torch_converter_replaced_only_once_a_model_is_fused():
+    """Importing clfast leaves PyTorch's (and timm's) convert_sync_batchnorm alone; fusing a model puts clfast's in
+    their place, since on a fused model theirs would apply BN twice (a fresh process: this one has fused models)"""
+    code = textwrap.dedent("""
+        import torch.nn as nn, timm.layers
+        from clfast.all import *
+        assert 'clfast' not in nn.SyncBatchNorm.convert_sync_batchnorm.__func__.__code__.co_filename
+        assert 'clfast' not in timm.layers.convert_sync_batchnorm.__module__
+        fuse_conv_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+        assert 'clfast' in nn.SyncBatchNorm.convert_sync_batchnorm.__func__.__code__.co_filename
+        assert timm.layers.convert_sync_batchnorm.__module__.startswith('clfast')
+        m = nn.SyncBatchNorm.convert_sync_batchnorm(fuse_conv_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))))
+        assert type(m[1]).__name__ == 'PassThroughSyncBatchNorm'
+        print('ok')""")
+    p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert p.returncode == 0 and p.stdout.strip() == 'ok', p.stdout + p.stderr[-3000:]

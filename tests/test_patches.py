@@ -1,0 +1,50 @@
+"clfast.patches lists every change clfast makes to fastai, PyTorch and timm, and each is where the list says"
+import ast, subprocess, sys, textwrap
+from pathlib import Path
+from clfast.patches import PATCHES
+
+ROOT = Path(__file__).parent.parent
+
+def _run(code:str) -> str:
+    p = subprocess.run([sys.executable, '-c', textwrap.dedent(code)], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    return p.stdout.strip()
+
+def test_every_patch_in_the_source_is_listed():
+    "Each @patch in clfast's sources, each kernel registered on aten, each attribute set on another library is listed"
+    listed = {(p.by, p.target.split(':')[1].split('.')[-1]) for p in PATCHES}
+    found = set()
+    for f in (ROOT/'clfast').rglob('*.py'):
+        mod = '.'.join(f.relative_to(ROOT).with_suffix('').parts)
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(getattr(d, 'id', None) == 'patch' for d in node.decorator_list):
+                found.add((mod, node.name))
+            if isinstance(node, ast.Call) and getattr(node.func, 'attr', None) == 'impl' and ast.unparse(node).startswith('_lstm_lib'):
+                found.add((mod, 'input'))
+            if isinstance(node, ast.Assign):
+                for t in node.targets:   # nn.SyncBatchNorm.x = ..., sys.modules[name].x = ... (another library's attribute)
+                    if isinstance(t, ast.Attribute) and ast.unparse(t).startswith(('nn.', 'sys.modules[', 'torch.')) \
+                       and not t.attr.startswith('_clfast'):
+                        found.add((mod, t.attr))
+    assert found - listed == set(), f"patches missing from clfast.patches.PATCHES: {found - listed}"
+    assert listed - found == set(), f"listed patches not found in the source: {listed - found}"
+
+def test_patches_are_in_effect_where_and_when_listed():
+    "Importing one module patches nothing else; clfast.all installs what is made at import; fusing, the converters"
+    out = _run("""
+        import clfast.fuse, clfast.fused, clfast.ops
+        from clfast.patches import installed
+        print(sorted(k for k, v in installed().items() if v))
+        import timm.layers, torch.nn as nn
+        from clfast.all import *
+        from clfast.patches import PATCHES
+        done = installed()
+        print(sorted(p.target for p in PATCHES if done[p.target] != (p.when == 'import')))
+        fuse_conv_bn(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+        print(sorted(k for k, v in installed().items() if not v))""")
+    assert out.splitlines() == ['[]', '[]', "['torch:ops.aten.lstm.input']"], out
+
+def test_each_patch_says_why():
+    assert all(p.why and p.kind in ('adds', 'replaces', 'wraps', 'registers') and p.by.startswith('clfast.') for p in PATCHES)
+    assert len({p.target for p in PATCHES}) == len(PATCHES)

@@ -71,7 +71,7 @@ class _PreciseBN(AsStock):
         if not _runs_precise(self, x):
             if sync_group(self) is not None:
                 raise RuntimeError(f"clfast's {type(self).__name__} synchronizes BatchNorm statistics on the CPU, but this "
-                                   f"batch is on {x.device}: convert the model with nn.SyncBatchNorm.convert_sync_batchnorm "
+                                   f"batch is on {x.device}: convert the model with clfast.fuse.convert_sync_batchnorm "
                                    "after moving it to its device")
             return super().forward(x)
         if x.dim() < 4:   # a synchronized BatchNorm1d's [N, C] or [N, C, L]: the same per-channel statistics

@@ -70,21 +70,13 @@ def train_step_fn(model, x, dev='cpu', amp=None):
         if dev == 'cuda': torch.cuda.synchronize()
     return f
 
-def with_layer_way(step, way:str|None):
-    "`step` with fused layers run `way` ('fused', 'stock', 'timed'; None: as set)"
-    if way is None: return step
+def with_setting(step, switch, value):
+    "`step` run with `switch` (a setter returning the previous value: `set_layer_way`, `set_gemm_backward`) at `value`; None: as set"
+    if value is None: return step
     def f():
-        before = set_layer_way(way)
+        before = switch(value)
         try: step()
-        finally: set_layer_way(before)
-    return f
-
-def gemm_backward_by(step, how:str):
-    "`step` with the CPU kernels' conv backward computed by `how` ('conv', 'gemm', 'timed')"
-    def f():
-        before = set_gemm_backward(how)
-        try: step()
-        finally: set_gemm_backward(before)
+        finally: switch(before)
     return f
 
 def section_train(args):
@@ -105,7 +97,7 @@ def section_train(args):
         for amp in amps:
             fns = {k: train_step_fn(m, x, amp=amp) for k, m in models.items()}
             # 'speed' again with every conv's backward left to ATen: what the GEMM way, where timing chose it, brings
-            fns['speed_conv'] = gemm_backward_by(fns['speed'], 'conv')
+            fns['speed_conv'] = with_setting(fns['speed'], set_gemm_backward, 'conv')
             raw = interleaved(fns, args.rounds, warmup=2)
             times = medians(raw)
             print(f"  {'bf16 autocast' if amp else 'fp32'}:")
@@ -180,7 +172,7 @@ def section_gpu(args):
     res = {}
     for k, (make, inp, way) in variants.items():  # one model at a time so that peak memory is per mode
         m = make(); torch.cuda.synchronize(); torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
-        f = with_layer_way(train_step_fn(m, inp, 'cuda', dt), way)
+        f = with_setting(train_step_fn(m, inp, 'cuda', dt), set_layer_way, way)
         t0 = time.perf_counter(); f(); f(); warm = time.perf_counter() - t0
         ts = []
         for _ in range(args.rounds * 4):

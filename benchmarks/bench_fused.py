@@ -7,6 +7,7 @@ machine is noisy. Wrap runs in `flock /tmp/clfast-cpu.lock` so they never overla
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections train --models resnet50 efficientnet_b0
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections overhead        # fixed cost per fused layer
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections never_slower --bs 8 --px 128 --rounds 7
+    flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections pointwise   # squeeze-excite 1x1 convs
 """
 from __future__ import annotations
 import argparse, copy, statistics, sys, time
@@ -233,7 +234,30 @@ def section_never_slower(args):
         rs = [r[2] for r in rows if r[1] == dt]
         if rs: print(f"geomean {dt}: {statistics.geometric_mean(rs):.3f}, worst {min(rs):.3f}")
 
-SECTIONS = {'train': section_train, 'never_slower': section_never_slower, 'infer': section_infer, 'gpu': section_gpu, 'overhead': section_overhead}
+def section_pointwise(args):
+    "A squeeze-excite 1x1 conv on 1x1 maps: the stock conv against clfast's PointwiseConv2d (a matrix product), per batch size"
+    from clfast.fuse.pointwise import to_pointwise
+    print("\n## squeeze-excite 1x1 convs on 1x1 maps: stock conv / PointwiseConv2d (above 1 = the matrix product faster)")
+    for dt in (torch.float32,) + ((torch.bfloat16,) if args.cpu_bf16 or cpu_has_native_bf16() else ()):
+        for cin, cout in ((144, 6), (672, 28), (1152, 48), (48, 1152), (888, 222)):
+            for bs in (1, 8, 64, 256):
+                stock = nn.Conv2d(cin, cout, 1).to(dt)
+                point = copy.deepcopy(stock); to_pointwise(nn.Sequential(point))
+                x = torch.randn(bs, cin, 1, 1, dtype=dt).contiguous(memory_format=torch.channels_last).requires_grad_()
+                dy = torch.randn(bs, cout, 1, 1, dtype=dt)
+                def fwd(m):
+                    def f():
+                        with torch.no_grad(): m(x)
+                    return f
+                fwd_bwd = lambda m: lambda: m(x).backward(dy)
+                raw = interleaved({'conv': fwd(stock), 'matmul': fwd(point), 'conv_train': fwd_bwd(stock),
+                                   'matmul_train': fwd_bwd(point)}, args.rounds * 20, warmup=5)
+                t = medians(raw)
+                print(f"  {str(dt)[6:]:>8} {cin:>4}->{cout:<4} batch {bs:>3}: forward {t['conv']*1e6:6.1f} / {t['matmul']*1e6:6.1f} us, "
+                      f"{paired_ratios(raw, 'conv', 'matmul')};  forward+backward {t['conv_train']*1e6:6.1f} / "
+                      f"{t['matmul_train']*1e6:6.1f} us, {paired_ratios(raw, 'conv_train', 'matmul_train')}", flush=True)
+
+SECTIONS = {'pointwise': section_pointwise, 'train': section_train, 'never_slower': section_never_slower, 'infer': section_infer, 'gpu': section_gpu, 'overhead': section_overhead}
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -264,7 +264,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None):
         return GuardPlan(how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #804b71b0
+# %% ../nbs/05_guard.ipynb #817a8870
 def _is_fused_conv(m) -> bool:
     "A conv whose forward is clfast's fused op (surgery keeps the BN in `_fused_bn`; a standalone FusedConvBN2d has `fused_bn`)"
     return isinstance(m, nn.Conv2d) and ('_fused_bn' in m.__dict__ or isinstance(getattr(type(m), 'fused_bn', None), property))
@@ -299,7 +299,7 @@ def guard_model(model:nn.Module) -> list:
             if type(m) is nn.Conv2d and may_meet_short_input(m): m.__class__ = GuardedConv2d   # routed per call
             continue
         if type(m) is nn.Conv2d: m.__class__ = GuardedConv2d
-        elif not _is_fused_conv(m):   # a frozen conv (folded for inference) never computes the bad weight gradient
+        elif not (_is_fused_conv(m) or isinstance(m, GuardedConv2d)):   # (a GuardedConv2d subclass: clfast.fuse.pointwise's) a frozen conv (folded for inference) never computes the bad weight gradient
             if not (plan.backward_only and not m.weight.requires_grad): skipped.append((name, type(m).__name__))
             continue
         m._cl_guard = plan

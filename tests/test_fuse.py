@@ -199,3 +199,31 @@ def test_surgery_cuda_amp(mode):
             (o1, g1), (o2, g2) = step(m, x), step(ref, x)
         errs = lambda o, g: {'out': rel_err(o, o64), **{k: rel_err(g[k], g64[k]) for k in keys}}
         within_precision(errs(o1, g1), errs(o2, g2), dt, factor=3.)   # 50 layers deep: roundings compound in both
+
+def test_squeeze_excite_convs_run_as_matmul():
+    "efficientnet_b0's 32 squeeze-excite 1x1 convs run as matrix products (fused and folded): same state, fp64 numbers, undone"
+    from clfast.fuse import PointwiseConv2d
+    torch.manual_seed(0)
+    ref = randomize_bn(timm.create_model('efficientnet_b0', num_classes=10))
+    m = fuse_conv_bn(copy.deepcopy(ref))
+    se = [n for n, c in m.named_modules() if isinstance(c, PointwiseConv2d)]
+    assert fusion_report(m).pointwise == se and len(se) == 32 and all('.se.conv_' in n for n in se), se
+    assert list(m.state_dict()) == list(ref.state_dict())
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64).to(memory_format=torch.channels_last)
+    (o1, g1), (o2, g2) = step(m.double(), x), step(ref.double(), x)
+    torch.testing.assert_close(o1, o2, rtol=1e-9, atol=1e-10)
+    for k in g2: torch.testing.assert_close(g1[k], g2[k], rtol=1e-7, atol=1e-10, msg=k)
+    from test_fused import rel_err, within_precision
+    with torch.no_grad():   # fp32 training forward against fp64: as close as the stock modules' in fp32
+        o64 = copy.deepcopy(ref)(x)
+        errs = [{'out': rel_err(net(x.float()), o64)} for net in (copy.deepcopy(m).float(), copy.deepcopy(ref).float())]
+    within_precision(*errs, torch.float32)
+    ref.eval()
+    f = fold_conv_bn(copy.deepcopy(ref).float())
+    assert fusion_report(f).pointwise == se and not is_fused(f)
+    with torch.no_grad():
+        o64 = ref(x)
+        within_precision({'out': rel_err(f(x.float()), o64)}, {'out': rel_err(copy.deepcopy(ref).float()(x.float()), o64)}, torch.float32)
+    assert not any(isinstance(c, PointwiseConv2d) for c in pickle.loads(pickle.dumps(m)).modules())
+    types = [type(c) for c in timm.create_model('efficientnet_b0', num_classes=10).modules()]
+    assert [type(c) for c in unfuse_conv_bn(m).modules()] == types and not is_fused(m)

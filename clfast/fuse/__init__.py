@@ -4,13 +4,15 @@
 
 # %% auto #0
 __all__ = ['FusionReport', 'fusion_report', 'BlockHandler', 'KNOWN_BLOCKS', 'register_block', 'convert_sync_batchnorm',
-           'is_fused', 'fuse_conv_bn', 'unfuse_conv_bn', 'FoldedConv2d', 'fold_conv_bn']
+           'is_fused', 'fuse_conv_bn', 'unfuse_conv_bn', 'FoldedConv2d', 'fold_conv_bn', 'PointwiseConv2d',
+           'is_pointwise']
 
-# %% ../../nbs/24_fuse.ipynb #8992ea6d
+# %% ../../nbs/24_fuse.ipynb #763b3338
 from .report import FusionReport, fusion_report
 from .blocks import BlockHandler, KNOWN_BLOCKS, register_block
 from .syncbn import convert_sync_batchnorm
 from .surgery import is_fused, fuse_conv_bn, unfuse_conv_bn
 from .fold import FoldedConv2d, fold_conv_bn
+from .pointwise import PointwiseConv2d, is_pointwise
 _all_ = ['FusionReport', 'fusion_report', 'BlockHandler', 'KNOWN_BLOCKS', 'register_block', 'convert_sync_batchnorm',
-         'is_fused', 'fuse_conv_bn', 'unfuse_conv_bn', 'FoldedConv2d', 'fold_conv_bn']
+         'is_fused', 'fuse_conv_bn', 'unfuse_conv_bn', 'FoldedConv2d', 'fold_conv_bn', 'PointwiseConv2d', 'is_pointwise']

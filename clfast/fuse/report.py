@@ -12,7 +12,7 @@ from ..guard import guard_report
 # %% auto #0
 __all__ = ['FusionReport', 'fusion_report']
 
-# %% ../../nbs/24a_fuse_report.ipynb #1ff0ef0d
+# %% ../../nbs/24a_fuse_report.ipynb #8e6c3dd7
 @dataclass
 class FusionReport:
     "What `fuse_conv_bn` fused (qualified conv name, pattern), what it skipped (name, reason), and a reason for every BN left unfused"
@@ -22,12 +22,14 @@ class FusionReport:
     guarded: list = field(default_factory=list)   # (conv name, workaround, why): convs clfast.guard runs another way
     unfused: list = field(default_factory=list)   # (BN name, reason): one entry per BN this pass left as it was
     n_bn: int = 0                                  # BN layers in the model; `coverage` is the fraction fused
+    pointwise: list = field(default_factory=list)  # names of the 1x1 convs run as a matrix product on 1x1 maps (clfast.fuse.pointwise)
     @property
     def coverage(self) -> float: return 1. if not self.n_bn else 1 - len(self.unfused) / self.n_bn
     def __repr__(self):
         lines = [f"FusionReport(mode={self.mode!r}): {len(self.fused)} fused, {len(self.skipped)} skipped"
                  + (f", {len(self.guarded)} guarded" if self.guarded else '')
-                 + f"; {self.n_bn - len(self.unfused)}/{self.n_bn} BN fused"]
+                 + f"; {self.n_bn - len(self.unfused)}/{self.n_bn} BN fused"
+                 + (f"; {len(self.pointwise)} 1x1 convs as matrix products on 1x1 maps" if self.pointwise else '')]
         lines += [f"  fused   {n}: {p}" for n,p in self.fused] + [f"  skipped {n}: {r}" for n,r in self.skipped]
         lines += [f"  guarded {n}: {w} ({why})" for n,w,why in self.guarded]
         return '\n'.join(lines)

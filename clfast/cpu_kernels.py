@@ -11,9 +11,9 @@ import clfast
 from .machine import CPU_LEVELS, LEVEL_FLAGS, ISA_CAP_ENV, clfast_isa, host_isa, is_x86
 
 # %% auto #0
-__all__ = ['CSRC', 'SOURCES', 'PACKAGE', 'GEMM_BACKWARD', 'missing_compiler', 'missing_toolchain', 'build_flags', 'ext_name',
-           'library_path', 'is_built', 'install_levels', 'installed_name', 'installed_library', 'build', 'main', 'load',
-           'set_gemm_backward', 'gemm_backward_choices']
+__all__ = ['CSRC', 'SOURCES', 'PACKAGE', 'GEMM_BACKWARD', 'BACKWARD_WAYS', 'missing_compiler', 'missing_toolchain', 'build_flags',
+           'ext_name', 'library_path', 'is_built', 'install_levels', 'installed_name', 'installed_library', 'build',
+           'main', 'load', 'set_gemm_backward', 'gemm_backward_choices']
 
 # %% ../nbs/22_cpu_kernels.ipynb #a8ca19e4
 CSRC = Path(clfast.__file__).parent/'csrc'
@@ -177,18 +177,19 @@ def load(verbose:bool=False) -> Path|None:
             if fresh: _say(f"C++ CPU kernels compiled in {time.perf_counter() - t0:.0f} s")
     return _lib
 
-# %% ../nbs/22_cpu_kernels.ipynb #1906ddb5
+# %% ../nbs/22_cpu_kernels.ipynb #2e586a5a
 GEMM_BACKWARD = ('conv', 'gemm', 'timed')
+BACKWARD_WAYS = ('conv', 'gemm', 'fp32')   # what 'timed' can choose per shape (the C++ BackwardWay)
 
 def set_gemm_backward(how:str) -> str:
-    "Compute a fused layer's conv backward on the CPU by 'conv' (ATen), 'gemm' (matrix products, where they fit) or 'timed' (the faster per shape, timed once per process: the default); returns the previous setting"
+    "Compute a fused layer's conv backward on the CPU by 'conv' (ATen), 'gemm' (matrix products, where they fit) or 'timed' (the fastest per shape, timed once per process: the default; for a bf16 or fp16 conv ATen's way in fp32 is a candidate too); returns the previous setting"
     if how not in GEMM_BACKWARD: raise ValueError(f"how must be one of {GEMM_BACKWARD}, got {how!r}")
     load()
     return GEMM_BACKWARD[torch.ops.clfast_cpu.set_gemm_backward(GEMM_BACKWARD.index(how))]
 
 def gemm_backward_choices() -> dict:
-    "What 'timed' chose so far: `{(x's shape, (out_channels, kh, kw), stride, padding, dilation, dtype name, needs, threads): 'gemm' or 'conv'}` (`needs`: bits dx 1, dweight 2, dbias 4)"
+    "What 'timed' chose so far: `{(x's shape, (out_channels, kh, kw), stride, padding, dilation, dtype name, needs, threads): 'conv', 'gemm' or 'fp32'}` (`needs`: bits dx 1, dweight 2, dbias 4; 'fp32': ATen's way on fp32 copies of a bf16/fp16 conv)"
     load()
     rows, dtypes = torch.ops.clfast_cpu.gemm_backward_choices()
     return {(tuple(r[:4]), tuple(r[4:7]), tuple(r[7:9]), tuple(r[9:11]), tuple(r[11:13]), dt, r[14], r[15]):
-            'gemm' if r[16] else 'conv' for r, dt in zip(rows.tolist(), dtypes)}
+            BACKWARD_WAYS[r[16]] for r, dt in zip(rows.tolist(), dtypes)}

@@ -331,6 +331,31 @@ def test_gemm_backward_timed_once_per_shape(k, gemm_way):
     finally: torch.use_deterministic_algorithms(det)
     assert keys() == seen
 
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16], ids=str)
+def test_reduced_precision_backward_timed_with_fp32(k, gemm_way, dtype):
+    "A bf16/fp16 depthwise conv (the GEMM way does not fit) is timed against ATen's way in fp32: one choice per shape, the winner's results bitwise from the first call, fp64's gradients at the dtype's precision, dtype and layout as ATen's"
+    n, c, h, w = 2, 40, 13, 11    # a shape no other test uses
+    geom = ([2, 2], [1, 1], [1, 1], c)
+    x = torch.randn(n, c, h, w).to(dtype).to(memory_format=CL)
+    wt = torch.randn(c, 1, 3, 3).to(dtype).to(memory_format=CL)
+    key = ((n, c, h, w), (c, 3, 3), (2, 2), (1, 1), (1, 1), {torch.bfloat16: 'BFloat16', torch.float16: 'Half'}[dtype],
+           3, torch.get_num_threads())
+    first, dout = gemm_bwd(k, x, wt, None, geom, needs=(True, True, False))
+    choice = cpu_kernels.gemm_backward_choices()[key]
+    assert choice in ('conv', 'fp32'), choice
+    for _ in range(2):
+        later, _ = gemm_bwd(k, x, wt, None, geom, needs=(True, True, False), dout=dout)
+        assert all(torch.equal(a, b) for a, b in zip(first[:2], later[:2]))
+    want = torch.ops.aten.convolution_backward(dout.double(), x.double(), wt.double(), None, *geom[:3], False, [0, 0],
+                                               c, [True, True, False])
+    for name, g, w_, like in zip(('dx', 'dweight'), first, want, (x, wt)):
+        assert g.dtype == dtype and g.stride() == like.stride(), f"{name}: {g.dtype} {g.stride()}"
+        assert_close(g, w_, TOL[dtype][1], f"{choice} {name}")
+    gemm_way('conv')   # forced ATen: the dtype's own kernel, untimed
+    seen = set(cpu_kernels.gemm_backward_choices())
+    gemm_bwd(k, x[:1], wt, None, geom, needs=(True, True, False))
+    assert set(cpu_kernels.gemm_backward_choices()) == seen
+
 def test_gemm_backward_columns_capped(k, gemm_way):
     "cols(x) over 64 MiB is never built: such a conv runs ATen's way even when the GEMM way is forced"
     x, wt, b = conv_case(torch.float32, n=16, cin=64, cout=8, h=48, w=48, kernel=(3, 3), bias=False)  # 36864 x 576 floats: 81 MiB

@@ -136,16 +136,21 @@ namespace {
 // conv without padding dx is a matrix product too: dx = dy W (with a stride, on the rows the conv reads, 0 elsewhere).
 // Where the maps are small this "GEMM way" beats ATen's channels-last conv backward, whose weight gradient is slow there
 // (ResNet-50 at 160 px on an AVX2 EPYC: 1.2-1.46x on the deep and strided 1x1 convs, 1.1-1.6x on the deep 3x3 weight
-// gradients); on large maps ATen wins. Where the crossover lies depends on the CPU, so each shape is timed both ways the
-// first time it is met and the faster way kept (as cudnn.benchmark does). Not with
-// torch.use_deterministic_algorithms(True): there, which way runs must not depend on a timing, so ATen always runs.
+// gradients); on large maps ATen wins. A third way is ATen's in fp32 for a bf16 or fp16 conv (inputs widened exactly,
+// gradients rounded back once): oneDNN's bf16 channels-last depthwise backward took 3-33x fp32's on a Zen 4 EPYC with
+// AVX512-BF16 (strided and 5x5 ones; efficientnet_b0's bf16 step ran at half its fp32 speed), while elsewhere bf16 is
+// the faster. Where each crossover lies depends on the CPU, so each shape is timed every way that applies the first
+// time it is met and the fastest kept (as cudnn.benchmark does). Not with torch.use_deterministic_algorithms(True):
+// there, which way runs must not depend on a timing, so ATen always runs.
 enum class GemmWay : int64_t { never = 0, always = 1, timed = 2 };
 std::atomic<int64_t> gemm_way{int64_t(GemmWay::timed)};
+// The ways one conv backward can run ('timed' picks one per shape); their names in `gemm_backward_choices`
+enum class BackwardWay : int64_t { aten = 0, gemm = 1, aten_fp32 = 2 };
 // x's N, C, H, W; the weight's out channels, kernel height, width; stride, padding, dilation (h, w each); dtype; needs
-// (bits dx 1, dweight 2, dbias 4); threads  ->  whether the GEMM way won
+// (bits dx 1, dweight 2, dbias 4); threads  ->  the way that won
 using ShapeKey = std::array<int64_t, 16>;
 std::mutex gemm_mutex;
-std::map<ShapeKey, bool> gemm_won;
+std::map<ShapeKey, BackwardWay> gemm_won;
 // cols(x) larger than this is not built: a temporary that big costs more in page faults than ATen's way
 constexpr int64_t kMaxColumnsBytes = int64_t(64) << 20;
 // rows of dy and cols(x) one fp32 GEMM of the weight gradient sums before the sum goes on in fp64
@@ -267,14 +272,33 @@ std::tuple<Tensor, Tensor, Tensor> gemm_way_backward(const Tensor& dy, const Ten
   return {dx, dw, db};
 }
 
+// ATen's conv backward on fp32 copies of a bf16 / fp16 conv's tensors, its gradients rounded back to their dtypes
+std::tuple<Tensor, Tensor, Tensor> aten_fp32_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& w,
+                                                           const OptTensor& bias, const Geometry& g, bool nx, bool nw,
+                                                           bool nb) {
+  const auto wide = [](const Tensor& t) { return t.to(at::kFloat); };  // keeps the memory format
+  auto [dx, dw, db] = aten_conv_backward(wide(dy), wide(x), wide(w), bias, g, nx, nw, nb);
+  const auto back = [](const Tensor& t, at::ScalarType dt) { return t.defined() ? t.to(dt) : t; };
+  return {back(dx, x.scalar_type()), back(dw, w.scalar_type()), back(db, given(bias) ? bias->scalar_type() : dy.scalar_type())};
+}
+
 std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                                  const OptTensor& bias, const Geometry& g, bool nx, bool nw, bool nb) {
-  auto by_aten = [&] { return aten_conv_backward(dy, x, weight, bias, g, nx, nw, nb); };
+  auto run = [&](BackwardWay w) {
+    switch (w) {
+      case BackwardWay::gemm: return gemm_way_backward(dy, x, weight, bias, g, nx, nw, nb);
+      case BackwardWay::aten_fp32: return aten_fp32_conv_backward(dy, x, weight, bias, g, nx, nw, nb);
+      default: return aten_conv_backward(dy, x, weight, bias, g, nx, nw, nb);
+    }
+  };
   const auto way = GemmWay(gemm_way.load());
-  if (way == GemmWay::never || !gemm_way_fits(x, weight, dy, g, nw)) return by_aten();
-  auto by_gemm = [&] { return gemm_way_backward(dy, x, weight, bias, g, nx, nw, nb); };
-  if (way == GemmWay::always) return by_gemm();
-  if (at::globalContext().deterministicAlgorithms()) return by_aten();
+  const bool gemm_fits = way != GemmWay::never && gemm_way_fits(x, weight, dy, g, nw);
+  if (way == GemmWay::always && gemm_fits) return run(BackwardWay::gemm);
+  if (way != GemmWay::timed || at::globalContext().deterministicAlgorithms()) return run(BackwardWay::aten);
+  std::vector<BackwardWay> ways{BackwardWay::aten};
+  if (gemm_fits) ways.push_back(BackwardWay::gemm);
+  if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) ways.push_back(BackwardWay::aten_fp32);
+  if (ways.size() == 1) return run(BackwardWay::aten);
   const ShapeKey key{x.size(0), x.size(1), x.size(2), x.size(3), weight.size(0), weight.size(2), weight.size(3),
                      g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1],
                      int64_t(x.scalar_type()), int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2,
@@ -282,27 +306,24 @@ std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor&
   {
     std::lock_guard<std::mutex> lock(gemm_mutex);
     const auto it = gemm_won.find(key);
-    if (it != gemm_won.end()) return it->second ? by_gemm() : by_aten();
+    if (it != gemm_won.end()) return run(it->second);
   }
-  // first meeting: a warm-up run each, then the faster of two timed runs each, alternating; the winner's result is
+  // first meeting: a warm-up run each, then the fastest of two timed runs each, round-robin; the winner's result is
   // returned, so that this call gives what every later one will
   using clock = std::chrono::steady_clock;
-  double best_aten = 1e300, best_gemm = 1e300;
-  std::tuple<Tensor, Tensor, Tensor> aten_result, gemm_result;
+  std::vector<double> best(ways.size(), 1e300);
+  std::vector<std::tuple<Tensor, Tensor, Tensor>> results(ways.size());
   for (int i = 0; i < 3; ++i) {
-    const auto t0 = clock::now();
-    aten_result = by_aten();
-    const auto t1 = clock::now();
-    gemm_result = by_gemm();
-    const auto t2 = clock::now();
-    if (i == 0) continue;
-    best_aten = std::min(best_aten, std::chrono::duration<double>(t1 - t0).count());
-    best_gemm = std::min(best_gemm, std::chrono::duration<double>(t2 - t1).count());
+    for (size_t j = 0; j < ways.size(); ++j) {
+      const auto t0 = clock::now();
+      results[j] = run(ways[j]);
+      if (i > 0) best[j] = std::min(best[j], std::chrono::duration<double>(clock::now() - t0).count());
+    }
   }
-  const bool won = best_gemm < best_aten;
+  const size_t won = std::min_element(best.begin(), best.end()) - best.begin();
   std::lock_guard<std::mutex> lock(gemm_mutex);
-  gemm_won[key] = won;
-  return won ? gemm_result : aten_result;
+  gemm_won[key] = ways[won];
+  return results[won];
 }
 
 // How conv backward runs from now on: 0 ATen's way, 1 the GEMM way where it fits, 2 timed per shape (the default,
@@ -312,7 +333,7 @@ int64_t set_gemm_backward(int64_t how) {
   return gemm_way.exchange(how);
 }
 
-// The timed choices so far: per shape a row (ShapeKey's values, then 1 if the GEMM way won) and the dtype's name
+// The timed choices so far: per shape a row (ShapeKey's values, then the way that won: a BackwardWay) and the dtype's name
 std::tuple<Tensor, std::vector<std::string>> gemm_backward_choices() {
   constexpr int64_t n = std::tuple_size_v<ShapeKey> + 1;
   std::lock_guard<std::mutex> lock(gemm_mutex);
@@ -321,7 +342,7 @@ std::tuple<Tensor, std::vector<std::string>> gemm_backward_choices() {
   int64_t* p = t.data_ptr<int64_t>();
   for (const auto& [k, won] : gemm_won) {
     std::copy(k.begin(), k.end(), p);
-    p[n - 1] = won;
+    p[n - 1] = int64_t(won);
     p += n;
     dtypes.emplace_back(c10::toString(at::ScalarType(k[13])));
   }

@@ -106,8 +106,10 @@ def section_train(args):
                 print(f"train step {k:>8}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}")
             for k in ('speed', 'memory', 'speed_conv'): print("  " + paired_ratios(raw, 'stock_cl', k))
             print("  " + paired_ratios(raw, 'speed_conv', 'speed'))
-            won = [f"{x}->{w[0]}x{w[1]}x{w[2]}/{st[0]}" for (x, w, st, *_), v in gemm_backward_choices().items() if v == 'gemm']
-            print(f"  conv backward shapes timed in this process: {len(gemm_backward_choices())}, the GEMM way won {len(won)}: {', '.join(won)}")
+            chosen = gemm_backward_choices()
+            for way in ('gemm', 'fp32'):
+                won = [f"{x}->{'x'.join(map(str, w))}/{st[0]}" for (x, w, st, *_), v in chosen.items() if v == way]
+                print(f"  conv backward shapes timed in this process: {len(chosen)}, the {way} way won {len(won)}: {', '.join(won)}")
         base = None
         for k, m in models.items():
             act, par = saved_bytes(m, x)

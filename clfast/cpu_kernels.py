@@ -177,7 +177,7 @@ def load(verbose:bool=False) -> Path|None:
             if fresh: _say(f"C++ CPU kernels compiled in {time.perf_counter() - t0:.0f} s")
     return _lib
 
-# %% ../nbs/22_cpu_kernels.ipynb #2e586a5a
+# %% ../nbs/22_cpu_kernels.ipynb #c3d15571
 GEMM_BACKWARD = ('conv', 'gemm', 'timed')
 BACKWARD_WAYS = ('conv', 'gemm', 'fp32')   # what 'timed' can choose per shape (the C++ BackwardWay)
 
@@ -188,8 +188,8 @@ def set_gemm_backward(how:str) -> str:
     return GEMM_BACKWARD[torch.ops.clfast_cpu.set_gemm_backward(GEMM_BACKWARD.index(how))]
 
 def gemm_backward_choices() -> dict:
-    "What 'timed' chose so far: `{(x's shape, (out_channels, kh, kw), stride, padding, dilation, dtype name, needs, threads): 'conv', 'gemm' or 'fp32'}` (`needs`: bits dx 1, dweight 2, dbias 4; 'fp32': ATen's way on fp32 copies of a bf16/fp16 conv)"
+    "What 'timed' chose so far: `{(x's shape, weight's shape, stride, padding, dilation, dtype name, needs, threads): 'conv', 'gemm' or 'fp32'}` (`needs`: bits dx 1, dweight 2, dbias 4; 'fp32': ATen's way on fp32 copies of a bf16/fp16 conv)"
     load()
     rows, dtypes = torch.ops.clfast_cpu.gemm_backward_choices()
-    return {(tuple(r[:4]), tuple(r[4:7]), tuple(r[7:9]), tuple(r[9:11]), tuple(r[11:13]), dt, r[14], r[15]):
-            BACKWARD_WAYS[r[16]] for r, dt in zip(rows.tolist(), dtypes)}
+    return {(tuple(r[:4]), tuple(r[4:8]), tuple(r[8:10]), tuple(r[10:12]), tuple(r[12:14]), dt, r[15], r[16]):
+            BACKWARD_WAYS[r[17]] for r, dt in zip(rows.tolist(), dtypes)}

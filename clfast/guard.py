@@ -17,11 +17,12 @@ from .bn import make_precise, imprecise_cl_batch_norm, can_be_precise, is_precis
 
 # %% auto #0
 __all__ = ['KNOWN_BAD_KERNELS', 'PREMISE_CACHE', 'SHORT_INPUT_FASTER', 'SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT',
-           'CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM', 'MEASURED_KERNELS', 'BadKernel', 'bad_kernels_for', 'GuardPlan',
-           'guard_acts', 'Route', 'route', 'premise', 'forget_premises', 'MeasuredKernel', 'weight_grad_in_nchw',
-           'paired_ratio', 'short_input_slower', 'may_meet_short_input', 'short_input_plan', 'guarded_conv',
-           'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model', 'call_plan', 'short_input_route',
-           'guard_report']
+           'SLOW_BACKWARD_FASTER', 'SLOW_BF16_BACKWARD', 'SLOW_FP16_BACKWARD', 'CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM',
+           'MEASURED_KERNELS', 'BadKernel', 'bad_kernels_for', 'GuardPlan', 'guard_acts', 'Route', 'route', 'premise',
+           'forget_premises', 'MeasuredKernel', 'weight_grad_in_nchw', 'paired_ratio', 'short_input_slower',
+           'may_meet_short_input', 'short_input_plan', 'reduced_backward_slower', 'may_meet_slow_backward',
+           'slow_backward_conv', 'guarded_conv', 'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model',
+           'call_plan', 'short_input_route', 'guard_report']
 
 # %% ../nbs/05_guard.ipynb #f1cb003b
 @dataclass(frozen=True)
@@ -215,12 +216,89 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/05_guard.ipynb #22a92550
+# %% ../nbs/05_guard.ipynb #0c11112d
+SLOW_BACKWARD_FASTER = 0.95   # the premise holds where ATen's way in fp32 took at most this fraction of the stock time
+
+def reduced_backward_slower(dtype:torch.dtype) -> bool:
+    "The probe of `SLOW_BF16_BACKWARD` / `SLOW_FP16_BACKWARD`: a depthwise 3x3 stride-2 and a dense 3x3 channels-last conv backward (batch 8, 16x16), stock in `dtype` against ATen's in fp32 on widened copies; slower when either fp32 run takes at most `SLOW_BACKWARD_FASTER` of the stock time (median of 9 alternating pairs)"
+    def ratio(c, groups):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            x = torch.randn(8, c, 16, 16).to(dtype).contiguous(memory_format=torch.channels_last)
+            w = torch.randn(c, c // groups, 3, 3).to(dtype).contiguous(memory_format=torch.channels_last)
+            dy = torch.randn(8, c, 8, 8).to(dtype).contiguous(memory_format=torch.channels_last)
+        bwd = lambda x, w, dy: lambda: torch.ops.aten.convolution_backward(dy, x, w, None, [2, 2], [1, 1], [1, 1], False,
+                                                                           [0, 0], groups, [True, True, False])
+        wide = lambda t: t.float()
+        return paired_ratio(bwd(x, w, dy), lambda: bwd(wide(x), wide(w), wide(dy))())[0]
+    return min(ratio(240, 240), ratio(64, 1)) <= SLOW_BACKWARD_FASTER
+
+def _slow_backward(dtype, name):
+    return MeasuredKernel(
+        name=f'slow_{name}_conv_backward',
+        op=f'aten.convolution_backward (CPU, channels-last) in {name}: slower than the same conv in fp32 (oneDNN without '
+           f'a fast {name} kernel for it: depthwise bf16 on Zen 4, fp16 on AVX512-FP16 Xeons)',
+        reference=f'measured here by `reduced_backward_slower({dtype})` (torch 2.14.1, Zen 4 EPYC AVX512-BF16: bf16 '
+                  'depthwise 3x3 stride 2 at [8, 240, 16, 16] 6.3 ms against fp32 0.19 ms)',
+        probe=lambda: reduced_backward_slower(dtype))
+SLOW_BF16_BACKWARD, SLOW_FP16_BACKWARD = _slow_backward(torch.bfloat16, 'bf16'), _slow_backward(torch.float16, 'fp16')
+_SLOW_BACKWARD = {torch.bfloat16: SLOW_BF16_BACKWARD, torch.float16: SLOW_FP16_BACKWARD}
+
+def may_meet_slow_backward(conv:nn.Module) -> bool:
+    "Whether stock `conv` (numeric zero padding) may run a bf16 or fp16 backward measured slow on this machine"
+    return (type(conv) in (nn.Conv2d, GuardedConv2d) and conv.padding_mode == 'zeros' and not isinstance(conv.padding, str)
+            and any(k.present() for k in _SLOW_BACKWARD.values()))
+
+_BACKWARD_WAYS = {}   # (x's shape, weight's shape, geometry, dtype, needs, threads) -> the way 'timed' chose for it
+
+def _call_dtype(x:Tensor) -> torch.dtype:
+    "The dtype a conv of `x` runs in: CPU autocast's where it is on (convolutions are on its lower-precision list)"
+    return torch.get_autocast_dtype('cpu') if torch.is_autocast_enabled('cpu') else x.dtype
+
+class _TimedBackwardConv(torch.autograd.Function):
+    "ATen's conv forward; its backward the way `clfast.cpu_kernels` times per shape (`stock_conv_backward`); saves what the stock conv saves"
+    @staticmethod
+    def forward(ctx, x, weight, bias, stride, padding, dilation, groups, key):
+        ctx.save_for_backward(x, weight)
+        ctx.geom, ctx.key = (list(stride), list(padding), list(dilation), groups), key
+        ctx.bias_like = None if bias is None else bias.new_empty(0)   # the C++ reads its presence and dtype
+        return torch.ops.aten.convolution(x, weight, bias, *ctx.geom[:3], False, [0, 0], groups)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        needs = list(ctx.needs_input_grad[:3])
+        dx, dw, db, way = torch.ops.clfast_cpu.stock_conv_backward(dy, x, weight, ctx.bias_like, *ctx.geom, needs)
+        if way >= 0:
+            from clfast.cpu_kernels import BACKWARD_WAYS
+            _BACKWARD_WAYS[ctx.key] = BACKWARD_WAYS[way]
+        return (*(g if n else None for g, n in zip((dx, dw, db), needs)), None, None, None, None, None)
+
+def slow_backward_conv(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor|None:
+    "`conv(x)` with its backward timed per shape (`_TimedBackwardConv`) when this call's backward may be slow here, else None"
+    if x.device.type != 'cpu' or not torch.is_grad_enabled() or x.dim() != 4 or isinstance(conv.padding, str): return None
+    dt = _call_dtype(x)
+    if dt not in _SLOW_BACKWARD or not (x.requires_grad or weight.requires_grad): return None
+    if torch.are_deterministic_algorithms_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling(): return None
+    needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    key = (x.shape, weight.shape, conv.stride, conv.padding, conv.dilation, dt, needs, torch.get_num_threads())
+    if _BACKWARD_WAYS.get(key) == 'conv' or not _SLOW_BACKWARD[dt].present(): return None
+    from clfast.ops import kernels_ready
+    if not kernels_ready(): return None
+    # autocast's casts (of each tensor not yet in `dt`), recorded by autograd as its own are
+    cast = lambda t: t if t is None or t.dtype == dt or not t.is_floating_point() else t.to(dt)
+    x, weight, bias = cast(x), cast(weight), cast(bias)
+    with torch.autocast('cpu', enabled=False):
+        return _TimedBackwardConv.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups, key)
+
+# %% ../nbs/05_guard.ipynb #a5ab5c41
 def guarded_conv(conv:nn.Conv2d, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
     "`conv`'s stock conv of `input`, run as its plan says (`call_plan`): a `GuardedConv2d`'s, and a fused layer's stock way"
     stock = lambda x, w, b: nn.Conv2d._conv_forward(conv, x, w, b)
     plan = call_plan(conv, input, weight)
-    if plan is None: return stock(input, weight, bias)
+    if plan is None:
+        out = slow_backward_conv(conv, input, weight, bias) if conv.padding_mode == 'zeros' else None
+        return stock(input, weight, bias) if out is None else out
     if plan.workaround == 'nchw_weight_grad':
         if not guard_acts(plan, input, weight): return stock(input, weight, bias)
         return weight_grad_in_nchw(conv, input, weight, bias)
@@ -264,7 +342,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None):
         return GuardPlan(how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #817a8870
+# %% ../nbs/05_guard.ipynb #68fe2bb6
 def _is_fused_conv(m) -> bool:
     "A conv whose forward is clfast's fused op (surgery keeps the BN in `_fused_bn`; a standalone FusedConvBN2d has `fused_bn`)"
     return isinstance(m, nn.Conv2d) and ('_fused_bn' in m.__dict__ or isinstance(getattr(type(m), 'fused_bn', None), property))
@@ -285,7 +363,7 @@ IMPRECISE_CL_BATCH_NORM = MeasuredKernel(
     reference='aten/src/ATen/native/cpu/batch_norm_kernel.cpp: batch_norm_cpu_collect_stats_channels_last_impl and '
               'batch_norm_cpu_backward_channels_last_impl against their contiguous versions',
     probe=imprecise_cl_batch_norm)
-MEASURED_KERNELS = (SHORT_INPUT_WGRAD, IMPRECISE_CL_BATCH_NORM)
+MEASURED_KERNELS = (SHORT_INPUT_WGRAD, SLOW_BF16_BACKWARD, SLOW_FP16_BACKWARD, IMPRECISE_CL_BATCH_NORM)
 
 def guard_model(model:nn.Module) -> list:
     "Guard, in place, each conv of `model` that would reach a known-bad kernel on this machine, and make each BatchNorm2d precise where the stock one measured imprecise; returns the convs guarded, [(name, workaround, why)]"
@@ -296,7 +374,8 @@ def guard_model(model:nn.Module) -> list:
         if not isinstance(m, nn.Conv2d): continue
         plan = guard_plan(m, failures)
         if plan is None:
-            if type(m) is nn.Conv2d and may_meet_short_input(m): m.__class__ = GuardedConv2d   # routed per call
+            if type(m) is nn.Conv2d and (may_meet_short_input(m) or may_meet_slow_backward(m)):
+                m.__class__ = GuardedConv2d   # routed per call
             continue
         if type(m) is nn.Conv2d: m.__class__ = GuardedConv2d
         elif not (_is_fused_conv(m) or isinstance(m, GuardedConv2d)):   # (a GuardedConv2d subclass: clfast.fuse.pointwise's) a frozen conv (folded for inference) never computes the bad weight gradient

@@ -301,7 +301,7 @@ def test_gemm_backward_timed_once_per_shape(k, gemm_way):
     n, cin, cout, h, w = 2, 16, 24, 3, 11     # a shape no other test uses
     one = ([1, 1], [0, 0], [1, 1], 1)
     key = lambda needs=3, kernel=(1, 1), stride=(1, 1), pad=(0, 0): (
-        (n, cin, h, w), (cout, *kernel), stride, pad, (1, 1), 'Float', needs, torch.get_num_threads())
+        (n, cin, h, w), (cout, cin, *kernel), stride, pad, (1, 1), 'Float', needs, torch.get_num_threads())
     keys = lambda: set(cpu_kernels.gemm_backward_choices())
     x, wt, b = conv_case(torch.float32, n, cin, cout, h, w, bias=False)
     before = keys()
@@ -338,7 +338,7 @@ def test_reduced_precision_backward_timed_with_fp32(k, gemm_way, dtype):
     geom = ([2, 2], [1, 1], [1, 1], c)
     x = torch.randn(n, c, h, w).to(dtype).to(memory_format=CL)
     wt = torch.randn(c, 1, 3, 3).to(dtype).to(memory_format=CL)
-    key = ((n, c, h, w), (c, 3, 3), (2, 2), (1, 1), (1, 1), {torch.bfloat16: 'BFloat16', torch.float16: 'Half'}[dtype],
+    key = ((n, c, h, w), (c, 1, 3, 3), (2, 2), (1, 1), (1, 1), {torch.bfloat16: 'BFloat16', torch.float16: 'Half'}[dtype],
            3, torch.get_num_threads())
     first, dout = gemm_bwd(k, x, wt, None, geom, needs=(True, True, False))
     choice = cpu_kernels.gemm_backward_choices()[key]

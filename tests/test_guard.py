@@ -1,7 +1,7 @@
 "The guard against known-bad stock channels-last kernels (clfast.guard) and the numerics self-check (clfast.check), against fp64"
 import copy, json, os, pickle, subprocess, sys, textwrap, warnings
 from unittest import mock
-import pytest, torch
+import pytest, torch, torch.nn.functional as F
 from torch import nn
 from hypothesis import given, settings, example, strategies as st
 from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam
@@ -9,7 +9,8 @@ import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import guard, check
 from clfast.guard import (KNOWN_BAD_KERNELS, GuardedConv2d, route, guard_model, unguard_model, guard_report,
                           onednn_isa, bad_kernels_for, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD,
-                          GuardPlan, IMPRECISE_CL_BATCH_NORM, short_input_slower, weight_grad_in_nchw)
+                          GuardPlan, IMPRECISE_CL_BATCH_NORM, short_input_slower, weight_grad_in_nchw,
+                          may_meet_slow_backward, slow_backward_conv, SLOW_BF16_BACKWARD, reduced_backward_slower)
 from clfast.bn import PreciseBatchNorm2d
 from clfast.fuse import fusion_report, unfuse_conv_bn
 from clfast.fused import FusedConvBN2d
@@ -159,11 +160,11 @@ def test_guard_survives_fit_export_and_undo(tmp_path):
     assert type(learn.model[0][0]) is nn.Conv2d and '_cl_guard' not in vars(learn.model[0][0])
 
 def test_no_cost_where_no_conv_is_affected():
-    "A model without affected convs keeps everything but the class of convs that may meet a short input: no plan stored"
+    "A model without affected convs keeps everything but the class of convs that may meet a slow path routed per call: no plan stored"
     from helpers import conv_net
     net = conv_net(3)
     precise_bn = IMPRECISE_CL_BATCH_NORM.present()
-    before = [(GuardedConv2d if type(m) is nn.Conv2d and may_meet_short_input(m) else
+    before = [(GuardedConv2d if type(m) is nn.Conv2d and (may_meet_short_input(m) or may_meet_slow_backward(m)) else
                PreciseBatchNorm2d if type(m) is nn.BatchNorm2d and precise_bn else type(m), dict(m.__dict__))
               for m in net.modules()]
     assert guard_model(net) == [] and guard_report(net) == []
@@ -191,6 +192,7 @@ def test_short_input_premise_is_measured_and_the_route_follows_it(tmp_path, monk
     x = torch.randn(4, 512, 2, 2).to(memory_format=CL).requires_grad_()
     for held in (here, True, False):   # what was measured, and clfast's behaviour given either answer
         guard._PREMISES_HERE[SHORT_INPUT_WGRAD.name] = held
+        guard._PREMISES_HERE.update({k.name: False for k in (SLOW_BF16_BACKWARD, guard.SLOW_FP16_BACKWARD)})   # this route alone
         m = copy.deepcopy(conv).to(memory_format=CL); guard_model(m)
         assert (type(m) is GuardedConv2d) == held and (short_input_plan(m, x, m.weight) is not None) == held
     guard._PREMISES_HERE.clear()
@@ -247,6 +249,55 @@ def test_unguardable_conv_warns():
     net = nn.Sequential(MyConv(3, 8, 1, stride=2))
     if not _affected_here(): pytest.skip("no known-bad kernel on this CPU")
     with pytest.warns(UserWarning, match='to_contiguous'): guard_model(net)
+
+# --- the slow bf16 / fp16 backward (SLOW_BF16_BACKWARD): right but slow stock kernels, timed per shape -----------------
+
+def test_slow_backward_premise_is_measured_and_cached(tmp_path, monkeypatch):
+    "The premise is the probe's measurement on this machine (stock bf16 against fp32 on widened copies), cached per machine"
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(guard, '_PREMISES_HERE', {})
+    calls = []
+    probe = lambda: calls.append(1) or reduced_backward_slower(torch.bfloat16)
+    held = guard.premise('test_slow_bf16', probe)
+    assert guard.premise('test_slow_bf16', probe) == held and len(calls) == 1
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    monkeypatch.setattr(guard, '_PREMISES_HERE', {SLOW_BF16_BACKWARD.name: held, guard.SLOW_FP16_BACKWARD.name: False})
+    assert may_meet_slow_backward(conv) == held and not may_meet_slow_backward(nn.Conv2d(8, 8, 3, padding='same'))
+
+@pytest.mark.parametrize('autocast', [True, False], ids=['autocast', 'bf16_model'])
+def test_slow_backward_route_equals_fp64_and_learns_the_way(monkeypatch, autocast):
+    "Where the premise holds, a bf16 depthwise conv's gradients come from the timed backward: fp64's at bf16 precision, in stock's dtypes and layouts; a shape that chose ATen's way takes the stock call after"
+    if not SLOW_BF16_BACKWARD.present(): pytest.skip("bf16 conv backward measured no slower than fp32 here")
+    from clfast.ops import kernels_ready
+    if not kernels_ready(): pytest.skip("no C++ library")
+    torch.manual_seed(0)
+    conv = nn.Conv2d(40, 40, 3, stride=2, padding=1, groups=40).to(memory_format=CL)
+    if not autocast: conv = conv.bfloat16()
+    x = torch.randn(3, 40, 14, 10).to(memory_format=CL).to(conv.weight.dtype).requires_grad_()
+    guard_model(conv)
+    assert type(conv) is GuardedConv2d and guard_report(conv) == []
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+        assert slow_backward_conv(conv, x, conv.weight, conv.bias) is not None   # this call is routed
+        y = conv(x)
+    assert y.dtype == torch.bfloat16 and y.is_contiguous(memory_format=CL)
+    dy = torch.randn(y.shape).to(memory_format=CL).bfloat16()
+    y.backward(dy)
+    x64, w64, b64 = (t.detach().bfloat16().double().requires_grad_() for t in (x, conv.weight, conv.bias))
+    F.conv2d(x64, w64, b64, 2, 1, 1, 40).backward(dy.double())
+    for name, got, want, like in (('dx', x.grad, x64.grad, x), ('dweight', conv.weight.grad, w64.grad, conv.weight),
+                                  ('dbias', conv.bias.grad, b64.grad, conv.bias)):
+        assert got.dtype == like.dtype and got.stride() == like.stride(), name
+        err = ((got.double() - want).norm() / want.norm()).item()
+        assert err < 1e-2, f"{name}: {err:.3g}"
+    ways = dict(guard._BACKWARD_WAYS)
+    key = next(k for k in ways if tuple(k[0]) == (3, 40, 14, 10) and k[5] == torch.bfloat16)
+    assert ways[key] in ('conv', 'fp32')
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
+        routed = slow_backward_conv(conv, x, conv.weight, conv.bias) is not None
+    assert routed == (ways[key] != 'conv')
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):   # inference: stock
+        assert slow_backward_conv(conv, x, conv.weight, conv.bias) is None
+    assert slow_backward_conv(conv, x.detach().float(), conv.weight.float(), None) is None   # fp32: stock
 
 # --- the numerics self-check -----------------------------------------------------------------------------------------
 

@@ -146,9 +146,9 @@ enum class GemmWay : int64_t { never = 0, always = 1, timed = 2 };
 std::atomic<int64_t> gemm_way{int64_t(GemmWay::timed)};
 // The ways one conv backward can run ('timed' picks one per shape); their names in `gemm_backward_choices`
 enum class BackwardWay : int64_t { aten = 0, gemm = 1, aten_fp32 = 2 };
-// x's N, C, H, W; the weight's out channels, kernel height, width; stride, padding, dilation (h, w each); dtype; needs
-// (bits dx 1, dweight 2, dbias 4); threads  ->  the way that won
-using ShapeKey = std::array<int64_t, 16>;
+// x's N, C, H, W; the weight's shape (out channels, in channels per group, kernel height, width); stride, padding,
+// dilation (h, w each); dtype; needs (bits dx 1, dweight 2, dbias 4); threads  ->  the way that won
+using ShapeKey = std::array<int64_t, 17>;
 std::mutex gemm_mutex;
 std::map<ShapeKey, BackwardWay> gemm_won;
 // cols(x) larger than this is not built: a temporary that big costs more in page faults than ATen's way
@@ -282,13 +282,19 @@ std::tuple<Tensor, Tensor, Tensor> aten_fp32_conv_backward(const Tensor& dy, con
   return {back(dx, x.scalar_type()), back(dw, w.scalar_type()), back(db, given(bias) ? bias->scalar_type() : dy.scalar_type())};
 }
 
-std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                                                 const OptTensor& bias, const Geometry& g, bool nx, bool nw, bool nb) {
-  auto run = [&](BackwardWay w) {
+struct ConvGrads {
+  std::tuple<Tensor, Tensor, Tensor> grads;  // dx, dweight, dbias (undefined where not needed)
+  BackwardWay way;
+  bool timed = false;  // the way 'timed' chose for this shape (not forced, nor the only one that applies)
+};
+
+ConvGrads conv_backward_way(const Tensor& dy, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                            const Geometry& g, bool nx, bool nw, bool nb) {
+  auto run = [&](BackwardWay w) -> ConvGrads {
     switch (w) {
-      case BackwardWay::gemm: return gemm_way_backward(dy, x, weight, bias, g, nx, nw, nb);
-      case BackwardWay::aten_fp32: return aten_fp32_conv_backward(dy, x, weight, bias, g, nx, nw, nb);
-      default: return aten_conv_backward(dy, x, weight, bias, g, nx, nw, nb);
+      case BackwardWay::gemm: return {gemm_way_backward(dy, x, weight, bias, g, nx, nw, nb), w};
+      case BackwardWay::aten_fp32: return {aten_fp32_conv_backward(dy, x, weight, bias, g, nx, nw, nb), w};
+      default: return {aten_conv_backward(dy, x, weight, bias, g, nx, nw, nb), BackwardWay::aten};
     }
   };
   const auto way = GemmWay(gemm_way.load());
@@ -299,20 +305,24 @@ std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor&
   if (gemm_fits) ways.push_back(BackwardWay::gemm);
   if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) ways.push_back(BackwardWay::aten_fp32);
   if (ways.size() == 1) return run(BackwardWay::aten);
-  const ShapeKey key{x.size(0), x.size(1), x.size(2), x.size(3), weight.size(0), weight.size(2), weight.size(3),
+  const ShapeKey key{x.size(0), x.size(1), x.size(2), x.size(3), weight.size(0), weight.size(1), weight.size(2), weight.size(3),
                      g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1],
                      int64_t(x.scalar_type()), int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2,
                      int64_t(at::get_num_threads())};
   {
     std::lock_guard<std::mutex> lock(gemm_mutex);
     const auto it = gemm_won.find(key);
-    if (it != gemm_won.end()) return run(it->second);
+    if (it != gemm_won.end()) {
+      ConvGrads r = run(it->second);
+      r.timed = true;
+      return r;
+    }
   }
   // first meeting: a warm-up run each, then the fastest of two timed runs each, round-robin; the winner's result is
   // returned, so that this call gives what every later one will
   using clock = std::chrono::steady_clock;
   std::vector<double> best(ways.size(), 1e300);
-  std::vector<std::tuple<Tensor, Tensor, Tensor>> results(ways.size());
+  std::vector<ConvGrads> results(ways.size());
   for (int i = 0; i < 3; ++i) {
     for (size_t j = 0; j < ways.size(); ++j) {
       const auto t0 = clock::now();
@@ -323,7 +333,27 @@ std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor&
   const size_t won = std::min_element(best.begin(), best.end()) - best.begin();
   std::lock_guard<std::mutex> lock(gemm_mutex);
   gemm_won[key] = ways[won];
+  results[won].timed = true;
   return results[won];
+}
+
+std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                                 const OptTensor& bias, const Geometry& g, bool nx, bool nw, bool nb) {
+  return conv_backward_way(dy, x, weight, bias, g, nx, nw, nb).grads;
+}
+
+// A stock conv's backward run as a fused layer's is (`conv_backward_way`: timed per shape), for the convs clfast.guard
+// routes (a bf16 / fp16 conv where the stock backward measured slow); empty tensors where not needed, and the way
+// 'timed' chose for this shape (a BackwardWay), or -1 where none was (forced, deterministic, or one way only)
+std::tuple<Tensor, Tensor, Tensor, int64_t> stock_conv_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                                                const OptTensor& bias, at::IntArrayRef stride,
+                                                                at::IntArrayRef padding, at::IntArrayRef dilation,
+                                                                int64_t groups, std::array<bool, 3> needs) {
+  const auto [grads, way, timed] = conv_backward_way(dy, x, weight, bias, Geometry{stride, padding, dilation, groups},
+                                                     needs[0], needs[1], needs[2]);
+  auto or_empty = [&](const Tensor& t) { return t.defined() ? t : at::empty({0}, x.options()); };
+  return {or_empty(std::get<0>(grads)), or_empty(std::get<1>(grads)), or_empty(std::get<2>(grads)),
+          timed ? int64_t(way) : int64_t(-1)};
 }
 
 // How conv backward runs from now on: 0 ATen's way, 1 the GEMM way where it fits, 2 timed per shape (the default,
@@ -344,7 +374,7 @@ std::tuple<Tensor, std::vector<std::string>> gemm_backward_choices() {
     std::copy(k.begin(), k.end(), p);
     p[n - 1] = int64_t(won);
     p += n;
-    dtypes.emplace_back(c10::toString(at::ScalarType(k[13])));
+    dtypes.emplace_back(c10::toString(at::ScalarType(k[14])));
   }
   return {t, dtypes};
 }
@@ -439,6 +469,9 @@ TORCH_LIBRARY(clfast_cpu, m) {
   m.def("simd_info() -> (str capability, int float_lanes)", &simd_info);
   m.def("set_gemm_backward(int how) -> int", &set_gemm_backward);
   m.def("gemm_backward_choices() -> (Tensor rows, str[] dtypes)", &gemm_backward_choices);
+  m.def("stock_conv_backward(Tensor dy, Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
+        "int[] dilation, int groups, bool[3] needs) -> (Tensor dx, Tensor dweight, Tensor dbias, int way)",
+        &stock_conv_backward);
 }
 
 TORCH_LIBRARY_IMPL(clfast, CPU, m) {  // the schemas: clfast/ops.py

@@ -209,32 +209,44 @@ NEVER_SLOWER_MODELS = ('resnet50', 'efficientnet_b0', 'mobilenetv3_large_100', '
 def section_never_slower(args):
     """Issue 23's table: a training step of fuse='speed' against what `to_channelslast()` runs without fusing (stock
     channels-last, precise BatchNorm where stock measured imprecise, the guard), both prepared as `to_channelslast`
-    prepares them (`guard_model`); fp32 and bf16 autocast where native. Paired rounds, order alternating. A name
-    `tv:<arch>` is torchvision's model; `--models` default: the issue's five"""
+    prepares them (`guard_model`), and against PyTorch's channels-last alone (`channels_last`: no clfast); fp32 and bf16
+    autocast where native. Paired rounds, order alternating. A name `tv:<arch>` is torchvision's model; `--models`
+    default: the issue's five"""
     from clfast.guard import guard_model
     names = args.models if args.models_given else NEVER_SLOWER_MODELS
     amps = [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
     rows = []
+    def ratio(raw, a, b):
+        r = sorted(x / y for x, y in zip(raw[a], raw[b]))
+        return statistics.median(r), r[len(r) // 4], r[(3 * len(r)) // 4]
     for name in names:
         torch.manual_seed(0)
         base = getattr(torchvision.models, name[3:])() if name.startswith('tv:') else make_model(name)
         x = torch.randn(args.bs, 3, args.px, args.px).to(memory_format=torch.channels_last)
-        models = {'to_channelslast': cl(copy.deepcopy(base)), 'speed': fuse_conv_bn(cl(copy.deepcopy(base)), 'speed')}
-        for m in models.values(): guard_model(m)
+        models = {'channels_last': cl(copy.deepcopy(base)), 'to_channelslast': cl(copy.deepcopy(base)),
+                  'speed': fuse_conv_bn(cl(copy.deepcopy(base)), 'speed')}
+        for k in ('to_channelslast', 'speed'): guard_model(models[k])
         for amp in amps:
             t0 = time.perf_counter()
             fns = {k: train_step_fn(m, x, amp=amp) for k, m in models.items()}
             for f in fns.values(): f()     # the first step: per-shape timing (the GEMM way, the layer choice) happens here
             first = time.perf_counter() - t0
             raw = interleaved(fns, args.rounds, warmup=1)
-            r = sorted(b / t for b, t in zip(raw['to_channelslast'], raw['speed']))
-            rows.append((name, 'bf16' if amp else 'fp32', statistics.median(r), r[len(r) // 4], r[(3 * len(r)) // 4],
-                         medians(raw)['to_channelslast'] * 1e3, medians(raw)['speed'] * 1e3, first))
-            print(f"{name:>22} {rows[-1][1]}: to_channelslast / speed {rows[-1][2]:.3f} (quartiles {rows[-1][3]:.3f}-"
-                  f"{rows[-1][4]:.3f}), {rows[-1][5]:.0f} / {rows[-1][6]:.0f} ms; first steps {first:.1f} s", flush=True)
+            t = medians(raw)
+            row = dict(name=name, dt='bf16' if amp else 'fp32', speed=ratio(raw, 'to_channelslast', 'speed'),
+                       speed_vs_plain=ratio(raw, 'channels_last', 'speed'), route=ratio(raw, 'channels_last', 'to_channelslast'))
+            rows.append(row)
+            q = lambda r: f"{r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f})"
+            print(f"{name:>22} {row['dt']}: to_channelslast / speed {q(row['speed'])}; channels_last / speed "
+                  f"{q(row['speed_vs_plain'])}; channels_last / to_channelslast {q(row['route'])}; "
+                  f"{t['channels_last']*1e3:.0f} / {t['to_channelslast']*1e3:.0f} / {t['speed']*1e3:.0f} ms; "
+                  f"first steps {first:.1f} s", flush=True)
     for dt in ('fp32', 'bf16'):
-        rs = [r[2] for r in rows if r[1] == dt]
-        if rs: print(f"geomean {dt}: {statistics.geometric_mean(rs):.3f}, worst {min(rs):.3f}")
+        rs = [r for r in rows if r['dt'] == dt]
+        if not rs: continue
+        g = lambda k: f"geomean {statistics.geometric_mean([r[k][0] for r in rs]):.3f}, worst {min(r[k][0] for r in rs):.3f}"
+        print(f"{dt}: to_channelslast / speed {g('speed')};  channels_last / speed {g('speed_vs_plain')};  "
+              f"channels_last / to_channelslast {g('route')}")
 
 def section_pointwise(args):
     "A squeeze-excite 1x1 conv on 1x1 maps: the stock conv against clfast's PointwiseConv2d (a matrix product), per batch size"

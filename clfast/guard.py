@@ -216,7 +216,7 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/05_guard.ipynb #0c11112d
+# %% ../nbs/05_guard.ipynb #b90c1433
 SLOW_BACKWARD_FASTER = 0.95   # the premise holds where ATen's way in fp32 took at most this fraction of the stock time
 
 def reduced_backward_slower(dtype:torch.dtype) -> bool:
@@ -268,6 +268,10 @@ class _TimedBackwardConv(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         needs = list(ctx.needs_input_grad[:3])
+        if torch.is_grad_enabled():   # create_graph=True: ATen's backward, which autograd can differentiate again
+            grads = torch.ops.aten.convolution_backward(dy, x, weight, None if ctx.bias_like is None else [weight.shape[0]],
+                                                        *ctx.geom[:3], False, [0, 0], ctx.geom[3], needs)
+            return (*(g if n else None for g, n in zip(grads, needs)), None, None, None, None, None)
         dx, dw, db, way = torch.ops.clfast_cpu.stock_conv_backward(dy, x, weight, ctx.bias_like, *ctx.geom, needs)
         if way >= 0:
             from clfast.cpu_kernels import BACKWARD_WAYS

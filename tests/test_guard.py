@@ -298,6 +298,18 @@ def test_slow_backward_route_equals_fp64_and_learns_the_way(monkeypatch, autocas
     with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):   # inference: stock
         assert slow_backward_conv(conv, x, conv.weight, conv.bias) is None
     assert slow_backward_conv(conv, x.detach().float(), conv.weight.float(), None) is None   # fp32: stock
+    # a second derivative (create_graph=True) through the routed conv: ATen's backward, differentiable again
+    torch.manual_seed(1)
+    conv2 = nn.Conv2d(6, 6, 3, stride=2, padding=1, groups=6).to(memory_format=CL).bfloat16()
+    guard_model(conv2)
+    x2 = torch.randn(2, 6, 9, 9).to(memory_format=CL).bfloat16().requires_grad_()
+    assert slow_backward_conv(conv2, x2, conv2.weight, conv2.bias) is not None
+    (gx,) = torch.autograd.grad(conv2(x2).float().square().sum(), x2, create_graph=True)
+    (ggw,) = torch.autograd.grad(gx.float().square().sum(), conv2.weight)
+    w64, xx = conv2.weight.detach().double().requires_grad_(), x2.detach().double().requires_grad_()
+    (gx64,) = torch.autograd.grad(F.conv2d(xx, w64, conv2.bias.double(), 2, 1, 1, 6).square().sum(), xx, create_graph=True)
+    (ggw64,) = torch.autograd.grad(gx64.square().sum(), w64)
+    assert ((ggw.double() - ggw64).norm() / ggw64.norm()).item() < 5e-2
 
 # --- the numerics self-check -----------------------------------------------------------------------------------------
 

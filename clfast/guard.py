@@ -216,7 +216,7 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/05_guard.ipynb #b90c1433
+# %% ../nbs/05_guard.ipynb #93f82caf
 SLOW_BACKWARD_FASTER = 0.95   # the premise holds where ATen's way in fp32 took at most this fraction of the stock time
 
 def reduced_backward_slower(dtype:torch.dtype) -> bool:
@@ -252,8 +252,8 @@ def may_meet_slow_backward(conv:nn.Module) -> bool:
 _BACKWARD_WAYS = {}   # (x's shape, weight's shape, geometry, dtype, needs, threads) -> the way 'timed' chose for it
 
 def _call_dtype(x:Tensor) -> torch.dtype:
-    "The dtype a conv of `x` runs in: CPU autocast's where it is on (convolutions are on its lower-precision list)"
-    return torch.get_autocast_dtype('cpu') if torch.is_autocast_enabled('cpu') else x.dtype
+    "The dtype a conv of `x` runs in: CPU autocast's where it is on (convolutions are on its lower-precision list; it leaves fp64 alone)"
+    return torch.get_autocast_dtype('cpu') if torch.is_autocast_enabled('cpu') and x.dtype != torch.float64 else x.dtype
 
 class _TimedBackwardConv(torch.autograd.Function):
     "ATen's conv forward; its backward the way `clfast.cpu_kernels` times per shape (`stock_conv_backward`); saves what the stock conv saves"
@@ -290,7 +290,7 @@ def slow_backward_conv(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None
     from clfast.ops import kernels_ready
     if not kernels_ready(): return None
     # autocast's casts (of each tensor not yet in `dt`), recorded by autograd as its own are
-    cast = lambda t: t if t is None or t.dtype == dt or not t.is_floating_point() else t.to(dt)
+    cast = lambda t: t if t is None or t.dtype in (dt, torch.float64) or not t.is_floating_point() else t.to(dt)
     x, weight, bias = cast(x), cast(weight), cast(bias)
     with torch.autocast('cpu', enabled=False):
         return _TimedBackwardConv.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups, key)
@@ -346,7 +346,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None):
         return GuardPlan(how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #68fe2bb6
+# %% ../nbs/05_guard.ipynb #60485e0f
 def _is_fused_conv(m) -> bool:
     "A conv whose forward is clfast's fused op (surgery keeps the BN in `_fused_bn`; a standalone FusedConvBN2d has `fused_bn`)"
     return isinstance(m, nn.Conv2d) and ('_fused_bn' in m.__dict__ or isinstance(getattr(type(m), 'fused_bn', None), property))
@@ -382,7 +382,9 @@ def guard_model(model:nn.Module) -> list:
                 m.__class__ = GuardedConv2d   # routed per call
             continue
         if type(m) is nn.Conv2d: m.__class__ = GuardedConv2d
-        elif not (_is_fused_conv(m) or isinstance(m, GuardedConv2d)):   # (a GuardedConv2d subclass: clfast.fuse.pointwise's) a frozen conv (folded for inference) never computes the bad weight gradient
+        # fused convs and GuardedConv2d's subclasses (clfast.fuse's PointwiseConv2d) read the plan; a frozen conv
+        # (folded for inference) never computes the bad weight gradient
+        elif not (_is_fused_conv(m) or isinstance(m, GuardedConv2d)):
             if not (plan.backward_only and not m.weight.requires_grad): skipped.append((name, type(m).__name__))
             continue
         m._cl_guard = plan

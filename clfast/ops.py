@@ -15,7 +15,8 @@ from .reference import ConvGeometry, PARAM_ROWS, acc_dtype, ref_layer_fwd, ref_b
 from .syncstats import _group_name, _synced_stats, _synced_grad_means
 
 # %% auto #0
-__all__ = ['REFERENCE', 'register_kernels', 'kernels_from', 'kernels_ready', 'fused_conv_bn']
+__all__ = ['REFERENCE', 'register_kernels', 'kernels_from', 'kernels_ready', 'autocast_on', 'no_autocast', 'autocast_dtype',
+           'autocast_cast', 'fused_conv_bn']
 
 # %% ../nbs/21_ops.ipynb #7dc203a5
 _lib = torch.library.Library('clfast', 'DEF')
@@ -149,6 +150,26 @@ def _load_kernels():
         return
     forced = os.environ.get('CLFAST_KERNELS', '').lower()
     if forced: _FORCED.append(_serve(forced))
+
+# %% ../nbs/21_ops.ipynb #1c73f99f
+def autocast_on(dev:str) -> bool:
+    "Autocast is on for device type `dev` (never for one autocast does not know, such as 'meta': a shape-only run)"
+    return torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+
+def no_autocast(dev:str):
+    "A context switching autocast off for device type `dev` where it is on (clfast's op casts its inputs itself)"
+    return torch.autocast(dev, enabled=False) if autocast_on(dev) else contextlib.nullcontext()
+
+def autocast_dtype(x:Tensor) -> torch.dtype:
+    "The dtype autocast runs a conv of `x` in: its dtype where autocast is on for `x`'s device (not for float64), else `x`'s"
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if x.dtype != torch.float64 and autocast_on(dev) else x.dtype
+
+def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
+    "`ts` as autocast would hand them to a conv on device type `dev`: floating tensors but float64 in its dtype"
+    if not autocast_on(dev): return ts
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
 # %% ../nbs/21_ops.ipynb #7ddcb450
 def _out_size(x:Tensor, weight:Optional[Tensor], geom:ConvGeometry) -> list[int]:

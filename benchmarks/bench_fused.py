@@ -56,11 +56,16 @@ def interleaved(fns:dict, rounds:int, warmup:int=1) -> dict:
 
 def medians(times:dict) -> dict: return {k: statistics.median(v) for k, v in times.items()}
 
-def paired_ratios(times:dict, base:str, k:str) -> str:
-    "Median and quartiles of the per-round ratios base/k (each round's two runs are seconds apart)"
+def paired_stats(times:dict, base:str, k:str) -> tuple:
+    "`(median, lower quartile, upper quartile)` of the per-round ratios base/k (each round's two runs are seconds apart)"
     r = sorted(b / t for b, t in zip(times[base], times[k]))
     q = lambda f: r[min(len(r) - 1, int(f * len(r)))]
-    return f"paired {base}/{k}: median {statistics.median(r):.3f} (quartiles {q(0.25):.3f}-{q(0.75):.3f}, n={len(r)})"
+    return statistics.median(r), q(0.25), q(0.75)
+
+def paired_ratios(times:dict, base:str, k:str) -> str:
+    "`paired_stats` in words"
+    m, lo, hi = paired_stats(times, base, k)
+    return f"paired {base}/{k}: median {m:.3f} (quartiles {lo:.3f}-{hi:.3f}, n={len(times[k])})"
 
 def train_step_fn(model, x, dev='cpu', amp=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -216,9 +221,6 @@ def section_never_slower(args):
     names = args.models if args.models_given else NEVER_SLOWER_MODELS
     amps = [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
     rows = []
-    def ratio(raw, a, b):
-        r = sorted(x / y for x, y in zip(raw[a], raw[b]))
-        return statistics.median(r), r[len(r) // 4], r[(3 * len(r)) // 4]
     for name in names:
         torch.manual_seed(0)
         base = getattr(torchvision.models, name[3:])() if name.startswith('tv:') else make_model(name)
@@ -233,8 +235,9 @@ def section_never_slower(args):
             first = time.perf_counter() - t0
             raw = interleaved(fns, args.rounds, warmup=1)
             t = medians(raw)
-            row = dict(name=name, dt='bf16' if amp else 'fp32', speed=ratio(raw, 'to_channelslast', 'speed'),
-                       speed_vs_plain=ratio(raw, 'channels_last', 'speed'), route=ratio(raw, 'channels_last', 'to_channelslast'))
+            row = dict(name=name, dt='bf16' if amp else 'fp32', speed=paired_stats(raw, 'to_channelslast', 'speed'),
+                       speed_vs_plain=paired_stats(raw, 'channels_last', 'speed'),
+                       route=paired_stats(raw, 'channels_last', 'to_channelslast'))
             rows.append(row)
             q = lambda r: f"{r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f})"
             print(f"{name:>22} {row['dt']}: to_channelslast / speed {q(row['speed'])}; channels_last / speed "

@@ -217,7 +217,7 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/05_guard.ipynb #2dfa8c49
+# %% ../nbs/05_guard.ipynb #bd9c6737
 SLOW_BACKWARD_FASTER = 0.95   # the premise holds where ATen's way in fp32 took at most this fraction of the stock time
 
 def reduced_backward_slower(dtype:torch.dtype) -> bool:
@@ -277,7 +277,8 @@ class _TimedBackwardConv(torch.autograd.Function):
 
 def slow_backward_conv(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor|None:
     "`conv(x)` with its backward timed per shape (`_TimedBackwardConv`) when this call's backward may be slow here, else None"
-    if x.device.type != 'cpu' or not torch.is_grad_enabled() or x.dim() != 4 or isinstance(conv.padding, str): return None
+    if x.device.type != 'cpu' or not torch.is_grad_enabled() or x.dim() != 4: return None
+    if conv.padding_mode != 'zeros' or isinstance(conv.padding, str): return None   # aten.convolution's padding only
     dt = autocast_dtype(x)
     if dt not in _SLOW_BACKWARD or not (x.requires_grad or weight.requires_grad): return None
     if torch.are_deterministic_algorithms_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling(): return None
@@ -289,13 +290,13 @@ def slow_backward_conv(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None
     with no_autocast('cpu'):
         return _TimedBackwardConv.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups, key)
 
-# %% ../nbs/05_guard.ipynb #a5ab5c41
+# %% ../nbs/05_guard.ipynb #3393a290
 def guarded_conv(conv:nn.Conv2d, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
     "`conv`'s stock conv of `input`, run as its plan says (`call_plan`): a `GuardedConv2d`'s, and a fused layer's stock way"
     stock = lambda x, w, b: nn.Conv2d._conv_forward(conv, x, w, b)
     plan = call_plan(conv, input, weight)
     if plan is None:
-        out = slow_backward_conv(conv, input, weight, bias) if conv.padding_mode == 'zeros' else None
+        out = slow_backward_conv(conv, input, weight, bias)
         return stock(input, weight, bias) if out is None else out
     if plan.workaround == 'nchw_weight_grad':
         if not guard_acts(plan, input, weight): return stock(input, weight, bias)

@@ -58,7 +58,12 @@ def compare(f, conv, bn, x, residual, act, tol=(1e-4, 1e-5), gtol=(1e-3, 1e-4)):
           (residual.detach().clone().requires_grad_(), residual.detach().double().contiguous().requires_grad_())] \
          if residual is not None else [None, None]
     dy_scale = []
+    versions = lambda b: [t._version for t in (b.running_mean, b.running_var, b.num_batches_tracked) if t is not None]
+    before = versions(f.bn)
     of = f(xs[0], rs[0]); os_ = stock(conv, bn, xs[1], rs[1], act, dy_scale)
+    # the running statistics are updated in place once per training call, visibly to autograd's version check (a write
+    # through a pointer does not bump the counters by itself); in eval, not at all
+    assert [a - b for a, b in zip(versions(f.bn), before)] == [int(f.bn.training)] * len(before)
     close(of, os_, *tol, what='output')
     g = torch.randn_like(of)
     of.backward(g); os_.backward(g.double())

@@ -5,7 +5,7 @@ machine is noisy. Wrap runs in `flock /tmp/clfast-cpu.lock` so they never overla
 
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py                  # all CPU sections (+ GPU if present)
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections train --models resnet50 efficientnet_b0
-    flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections overhead        # fixed cost per fused layer
+    flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections overhead --profile   # fixed cost per fused layer
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections never_slower --bs 8 --px 128 --rounds 7
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections pointwise   # squeeze-excite 1x1 convs
 """
@@ -193,8 +193,8 @@ def section_gpu(args):
 
 def section_overhead(args):
     """The fixed cost of one fused layer per training step, on a layer too small for the kernels to matter (batch 2,
-    8 channels, 4x4): stock conv -> BN -> ReLU against the fused layer (the op, its C++ autograd node and the kernel
-    ops). Median microseconds of forward + backward, rounds interleaved."""
+    8 channels, 4x4): stock conv -> BN -> ReLU against the fused layer run fused (the op, its C++ autograd node and the
+    kernel ops). Median microseconds of forward + backward, rounds interleaved; `--profile`: op by op"""
     print("\n## Fixed cost per layer and training step (batch 2, 8 channels, 4x4, channels-last, 1 thread)")
     threads = torch.get_num_threads(); torch.set_num_threads(1)
     stock = cl(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()))
@@ -204,10 +204,16 @@ def section_overhead(args):
         def f():
             for _ in range(n): m(x).sum().backward()
         return f
+    way = set_layer_way('fused')   # the fused op's cost, not what 'timed' would pick for so small a layer
     raw = interleaved({'stock': steps(stock), 'fused': steps(fused)}, args.rounds * 6, warmup=2)
     for k, t in medians(raw).items(): print(f"{k:>24}: {t / 50 * 1e6:7.0f} us per layer-step")
     print("  " + paired_ratios(raw, 'fused', 'stock'))
-    torch.set_num_threads(threads)
+    if args.profile:   # where a fused layer's forward spends its fixed cost, op by op
+        from torch.profiler import profile
+        with profile() as prof, torch.no_grad():
+            for _ in range(500): fused(x)
+        print(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=12))
+    set_layer_way(way); torch.set_num_threads(threads)
 
 NEVER_SLOWER_MODELS = ('resnet50', 'efficientnet_b0', 'mobilenetv3_large_100', 'regnety_016', 'tv:densenet121')
 
@@ -282,6 +288,7 @@ def main(argv=None):
     p.add_argument('--models', nargs='+', default=None, help='timm model names (never_slower: also tv:<torchvision arch>)')
     p.add_argument('--bs', type=int, default=16); p.add_argument('--px', type=int, default=160)
     p.add_argument('--rounds', type=int, default=5)
+    p.add_argument('--profile', action='store_true', help="overhead: also print torch.profiler's table of 500 fused forwards")
     p.add_argument('--no-compile', action='store_true', help='skip the torch.compile variants')
     p.add_argument('--cpu-bf16', action='store_true', help='also time bf16 autocast where the CPU has no native bf16')
     p.add_argument('--warm-compile', action='store_true', help="let torch.compile use inductor's on-disk cache")

@@ -18,12 +18,14 @@ from .ops import kernels_ready, autocast_cast, autocast_dtype, no_autocast
 
 # %% auto #0
 __all__ = ['KNOWN_BAD_KERNELS', 'PREMISE_CACHE', 'SHORT_INPUT_FASTER', 'SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT',
-           'SLOW_BACKWARD_FASTER', 'SLOW_BF16_BACKWARD', 'SLOW_FP16_BACKWARD', 'CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM',
-           'MEASURED_KERNELS', 'BadKernel', 'bad_kernels_for', 'GuardPlan', 'guard_acts', 'Route', 'route', 'premise',
-           'forget_premises', 'MeasuredKernel', 'weight_grad_in_nchw', 'paired_ratio', 'short_input_slower',
-           'may_meet_short_input', 'short_input_plan', 'reduced_backward_slower', 'may_meet_slow_backward',
-           'slow_backward_conv', 'guarded_conv', 'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model',
-           'call_plan', 'short_input_route', 'guard_report']
+           'SLOW_BACKWARD_FASTER', 'SLOW_BF16_BACKWARD', 'SLOW_FP16_BACKWARD', 'POINTWISE_FASTER',
+           'SLOW_POINTWISE_MAPS', 'CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM', 'MEASURED_KERNELS', 'BadKernel',
+           'bad_kernels_for', 'GuardPlan', 'guard_acts', 'Route', 'route', 'premise', 'forget_premises',
+           'MeasuredKernel', 'weight_grad_in_nchw', 'paired_ratio', 'short_input_slower', 'may_meet_short_input',
+           'short_input_plan', 'reduced_backward_slower', 'may_meet_slow_backward', 'slow_backward_conv',
+           'is_pointwise', 'on_pointwise_maps', 'pointwise_product', 'pointwise_maps_slower', 'may_meet_slow_pointwise',
+           'guarded_conv', 'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model', 'call_plan',
+           'short_input_route', 'guard_report']
 
 # %% ../nbs/05_guard.ipynb #f1cb003b
 @dataclass(frozen=True)
@@ -290,12 +292,63 @@ def slow_backward_conv(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None
     with no_autocast('cpu'):
         return _TimedBackwardConv.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups, key)
 
-# %% ../nbs/05_guard.ipynb #3393a290
+# %% ../nbs/05_guard.ipynb #af470509
+POINTWISE_FASTER = 0.95   # the premise holds where the product took at most this fraction of the conv's time
+
+def _zero_padding(conv) -> bool:
+    return conv.padding == 'valid' or (conv.padding == 'same' and max(conv.kernel_size) == 1) or \
+           (not isinstance(conv.padding, str) and not any(conv.padding))
+
+def _pointwise_geometry(conv:nn.Module) -> bool:
+    return conv.kernel_size == (1, 1) and conv.stride == (1, 1) and conv.groups == 1 and _zero_padding(conv)
+
+def is_pointwise(conv:nn.Module) -> bool:
+    "Whether `conv` is a stock (or guarded) 1x1 conv of stride 1, no padding and one group: a matrix product per pixel"
+    return type(conv) in (nn.Conv2d, GuardedConv2d) and _pointwise_geometry(conv)
+
+def on_pointwise_maps(conv:nn.Module, x:Tensor) -> bool:
+    "Whether the call `conv(x)` is one matrix product: `x` a CPU batch of 1x1 maps, `conv` 1x1 of stride 1, unpadded, one group"
+    # the input's shape first, which every other conv fails at once (under jit.trace comparing a size warns: the conv)
+    return (x.dim() == 4 and not torch.jit.is_tracing() and x.shape[3] == 1 and x.shape[2] == 1 and x.is_cpu
+            and _pointwise_geometry(conv))
+
+def pointwise_product(conv:nn.Module, x:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
+    "`conv(x)` as `F.linear`, for a call where `on_pointwise_maps(conv, x)`"
+    # [N, C, 1, 1] is contiguous in both formats: the product's [N, R] viewed back is as a stock conv's output
+    return F.linear(x.flatten(1), weight.flatten(1), bias).view(x.shape[0], conv.out_channels, 1, 1)
+
+def pointwise_maps_slower() -> bool:
+    "`SLOW_POINTWISE_MAPS`'s probe: a squeeze-excite pair of 1x1 convs with bias (96 -> 24 -> 96 channels) on [8, 96, 1, 1], forward + backward in fp32, stock against `pointwise_product`; slower when the product takes at most `POINTWISE_FASTER` of the stock time (median of 9 alternating pairs)"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        reduce, expand = nn.Conv2d(96, 24, 1), nn.Conv2d(24, 96, 1)
+        x = torch.randn(8, 96, 1, 1, requires_grad=True)
+    stock = lambda c, t: nn.Conv2d._conv_forward(c, t, c.weight, c.bias)
+    product = lambda c, t: pointwise_product(c, t, c.weight, c.bias)
+    step = lambda conv: lambda: conv(expand, conv(reduce, x)).sum().backward()
+    return paired_ratio(step(stock), step(product))[0] <= POINTWISE_FASTER
+
+SLOW_POINTWISE_MAPS = MeasuredKernel(
+    name='slow_conv_on_1x1_maps',
+    op="aten.convolution and its backward (CPU) of a 1x1 conv on 1x1 maps (squeeze-and-excitation): one matrix product, "
+       "run through oneDNN's conv and its per-call setup",
+    reference='measured here by `pointwise_maps_slower` (torch 2.14.1, Zen 4 EPYC: squeeze-excite shapes in fp32 at batch '
+              '8-256, forward + backward 1.96-2.61x faster as the product; benchmarks/bench_fused.py --sections pointwise)',
+    probe=pointwise_maps_slower)
+
+def may_meet_slow_pointwise(conv:nn.Module) -> bool:
+    "Whether stock `conv` is `is_pointwise` and ATen's conv on 1x1 maps measured slow on this machine"
+    return is_pointwise(conv) and SLOW_POINTWISE_MAPS.present()
+
+# %% ../nbs/05_guard.ipynb #7be01504
 def guarded_conv(conv:nn.Conv2d, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
     "`conv`'s stock conv of `input`, run as its plan says (`call_plan`): a `GuardedConv2d`'s, and a fused layer's stock way"
     stock = lambda x, w, b: nn.Conv2d._conv_forward(conv, x, w, b)
     plan = call_plan(conv, input, weight)
     if plan is None:
+        # squeeze-excite's convs: the product where the conv measured slower (not while compiling: inductor decides)
+        if on_pointwise_maps(conv, input) and not torch.compiler.is_compiling() and SLOW_POINTWISE_MAPS.present():
+            return pointwise_product(conv, input, weight, bias)
         out = slow_backward_conv(conv, input, weight, bias)
         return stock(input, weight, bias) if out is None else out
     if plan.workaround == 'nchw_weight_grad':
@@ -312,7 +365,7 @@ class GuardedConv2d(AsStock, nn.Conv2d):
     def _conv_forward(self, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
         return guarded_conv(self, input, weight, bias)
 
-# %% ../nbs/05_guard.ipynb #396bbc08
+# %% ../nbs/05_guard.ipynb #993a5357
 _guard_reports = weakref.WeakKeyDictionary()
 CHECK_CACHE = 'numerics_check'   # the `MachineCache` of `check_channelslast`'s results
 
@@ -322,10 +375,6 @@ def _conv_params(conv:nn.Conv2d) -> dict:
     return dict(cin=conv.in_channels, cout=conv.out_channels, k=list(conv.kernel_size), stride=list(conv.stride),
                 padding=pad, dilation=list(conv.dilation), groups=conv.groups, bias=conv.bias is not None,
                 padding_mode=conv.padding_mode)
-
-def _zero_padding(conv) -> bool:
-    return conv.padding == 'valid' or (conv.padding == 'same' and max(conv.kernel_size) == 1) or \
-           (not isinstance(conv.padding, str) and not any(conv.padding))
 
 def _checked_failures() -> list[dict]:
     "Conv parameters `check_channelslast` found wrong on this machine (any input size or precision)"
@@ -341,7 +390,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None):
         return GuardPlan(how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #60485e0f
+# %% ../nbs/05_guard.ipynb #c68c9484
 def _is_fused_conv(m) -> bool:
     "A conv whose forward is clfast's fused op (surgery keeps the BN in `_fused_bn`; a standalone FusedConvBN2d has `fused_bn`)"
     return isinstance(m, nn.Conv2d) and ('_fused_bn' in m.__dict__ or isinstance(getattr(type(m), 'fused_bn', None), property))
@@ -362,7 +411,7 @@ IMPRECISE_CL_BATCH_NORM = MeasuredKernel(
     reference='aten/src/ATen/native/cpu/batch_norm_kernel.cpp: batch_norm_cpu_collect_stats_channels_last_impl and '
               'batch_norm_cpu_backward_channels_last_impl against their contiguous versions',
     probe=imprecise_cl_batch_norm)
-MEASURED_KERNELS = (SHORT_INPUT_WGRAD, SLOW_BF16_BACKWARD, SLOW_FP16_BACKWARD, IMPRECISE_CL_BATCH_NORM)
+MEASURED_KERNELS = (SHORT_INPUT_WGRAD, SLOW_BF16_BACKWARD, SLOW_FP16_BACKWARD, SLOW_POINTWISE_MAPS, IMPRECISE_CL_BATCH_NORM)
 
 def guard_model(model:nn.Module) -> list:
     "Guard, in place, each conv of `model` that would reach a known-bad kernel on this machine, and make each BatchNorm2d precise where the stock one measured imprecise; returns the convs guarded, [(name, workaround, why)]"
@@ -373,7 +422,7 @@ def guard_model(model:nn.Module) -> list:
         if not isinstance(m, nn.Conv2d): continue
         plan = guard_plan(m, failures)
         if plan is None:
-            if type(m) is nn.Conv2d and (may_meet_short_input(m) or may_meet_slow_backward(m)):
+            if type(m) is nn.Conv2d and (may_meet_short_input(m) or may_meet_slow_backward(m) or may_meet_slow_pointwise(m)):
                 m.__class__ = GuardedConv2d   # routed per call
             continue
         if type(m) is nn.Conv2d: m.__class__ = GuardedConv2d

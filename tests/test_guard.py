@@ -4,6 +4,7 @@ from unittest import mock
 import pytest, torch, torch.nn.functional as F
 from torch import nn
 from hypothesis import given, settings, example, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam
 import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import guard, check
@@ -382,3 +383,49 @@ def test_guard_under_autocast(fuse):
     out.float().sum().backward()
     ref(x.double()).sum().backward()
     torch.testing.assert_close(stem.weight.grad.double(), ref[0][0].weight.grad, rtol=5e-2, atol=5e-2)
+
+def test_pointwise_premise_is_measured_and_cached(tmp_path, monkeypatch):
+    "The premise is the probe's measurement here (a squeeze-excite pair of convs against the products), cached per machine; only a 1x1 conv of stride 1, unpadded, one group may meet it"
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(guard, '_PREMISES_HERE', {})
+    calls = []
+    probe = lambda: calls.append(1) or guard.pointwise_maps_slower()
+    held = guard.premise('test_slow_pointwise', probe)
+    assert guard.premise('test_slow_pointwise', probe) == held and len(calls) == 1
+    monkeypatch.setattr(guard, '_PREMISES_HERE', {guard.SLOW_POINTWISE_MAPS.name: held})
+    assert guard.may_meet_slow_pointwise(nn.Conv2d(8, 4, 1)) == held
+    for other in (nn.Conv2d(8, 4, 1, stride=2), nn.Conv2d(8, 8, 1, groups=2), nn.Conv2d(8, 4, 3), nn.Conv2d(8, 4, 1, padding=1)):
+        assert not guard.may_meet_slow_pointwise(other)
+
+class _AtenOps(TorchDispatchMode):
+    "Records the aten ops that run"
+    def __init__(self): super().__init__(); self.seen = set()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+@pytest.mark.parametrize('held', [True, False], ids=['slow_here', 'not_slow_here'])
+def test_squeeze_excite_convs_as_products_where_measured(monkeypatch, held):
+    "The guard runs a 1x1 conv on 1x1 maps as one matrix product where the premise holds, else as the conv: fp64's output and gradients at fp32's precision either way; a larger map always takes the conv; unguarded (and pickled) as nn.Conv2d"
+    monkeypatch.setattr(guard, '_PREMISES_HERE', {**guard._PREMISES_HERE, guard.SLOW_POINTWISE_MAPS.name: held})
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(16, 4, 1), nn.ReLU(), nn.Conv2d(4, 16, 1), nn.Sigmoid()).to(memory_format=CL)
+    ref = copy.deepcopy(net).double()
+    guard_model(net)
+    if held: assert type(net[0]) is type(net[2]) is GuardedConv2d
+    x = torch.randn(6, 16, 1, 1).to(memory_format=CL).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    with _AtenOps() as ops: y = net(x)
+    assert ('convolution' in ops.seen) != held and ('addmm' in ops.seen) == held
+    y64 = ref(x64)
+    dy = torch.randn(y64.shape, dtype=torch.float64)
+    y.backward(dy.float()); y64.backward(dy)
+    assert y.shape == y64.shape and y.dtype == torch.float32
+    close = lambda a, b: torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+    close(y.detach(), y64.detach()); close(x.grad, x64.grad)
+    for got, want in zip(net.parameters(), ref.parameters()): close(got.grad, want.grad)
+    with _AtenOps() as ops: net(torch.randn(2, 16, 3, 3).to(memory_format=CL))
+    assert 'convolution' in ops.seen and 'addmm' not in ops.seen
+    assert type(pickle.loads(pickle.dumps(net))[0]) is nn.Conv2d
+    unguard_model(net)
+    assert type(net[0]) is type(net[2]) is nn.Conv2d

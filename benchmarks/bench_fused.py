@@ -258,7 +258,8 @@ def section_never_slower(args):
               f"channels_last / to_channelslast {g('route')}")
 
 def section_pointwise(args):
-    "A squeeze-excite 1x1 conv on 1x1 maps: the stock conv against clfast's PointwiseConv2d (a matrix product), per batch size"
+    """A squeeze-excite 1x1 conv on 1x1 maps: the stock conv against clfast's PointwiseConv2d (a matrix product), per
+    batch size; then whole models' `to_channelslast()` training steps with the guard's product route off and on"""
     from clfast.fuse.pointwise import to_pointwise
     print("\n## squeeze-excite 1x1 convs on 1x1 maps: stock conv / PointwiseConv2d (above 1 = the matrix product faster)")
     for dt in (torch.float32,) + ((torch.bfloat16,) if args.cpu_bf16 or cpu_has_native_bf16() else ()):
@@ -279,6 +280,27 @@ def section_pointwise(args):
                 print(f"  {str(dt)[6:]:>8} {cin:>4}->{cout:<4} batch {bs:>3}: forward {t['conv']*1e6:6.1f} / {t['matmul']*1e6:6.1f} us, "
                       f"{paired_ratios(raw, 'conv', 'matmul')};  forward+backward {t['conv_train']*1e6:6.1f} / "
                       f"{t['matmul_train']*1e6:6.1f} us, {paired_ratios(raw, 'conv_train', 'matmul_train')}", flush=True)
+    # whole models as `to_channelslast()` prepares them (`guard_model`), the guard's product route on and off
+    from clfast import guard
+    from clfast.guard import guard_model, SLOW_POINTWISE_MAPS
+    print(f"\n## to_channelslast training step (batch {args.bs}, {args.px} px), squeeze-excite convs as the conv / as "
+          f"products (premise {SLOW_POINTWISE_MAPS.name} {'held' if SLOW_POINTWISE_MAPS.present() else 'did not hold'} here)")
+    def set_route(on:bool) -> bool:   # a `with_setting` switch: the premise as read per call, forced
+        before = guard._PREMISES_HERE[SLOW_POINTWISE_MAPS.name]
+        guard._PREMISES_HERE[SLOW_POINTWISE_MAPS.name] = on
+        return before
+    amps = [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
+    for name in (args.models if args.models_given else ('efficientnet_b0', 'mobilenetv3_large_100', 'regnety_016')):
+        torch.manual_seed(0)
+        model = cl(make_model(name)); guard_model(model)
+        x = torch.randn(args.bs, 3, args.px, args.px).to(memory_format=torch.channels_last)
+        for amp in amps:
+            step = train_step_fn(model, x, amp=amp)
+            fns = {'conv': with_setting(step, set_route, False), 'product': with_setting(step, set_route, True)}
+            raw = interleaved(fns, args.rounds * 2, warmup=1)
+            t = medians(raw)
+            print(f"  {name:>22} {'bf16' if amp else 'fp32'}: {t['conv']*1e3:6.1f} / {t['product']*1e3:6.1f} ms, "
+                  f"{paired_ratios(raw, 'conv', 'product')}", flush=True)
 
 SECTIONS = {'pointwise': section_pointwise, 'train': section_train, 'never_slower': section_never_slower, 'infer': section_infer, 'gpu': section_gpu, 'overhead': section_overhead}
 

@@ -208,13 +208,13 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
 
 namespace {
 
-// BatchNorm's bookkeeping after a batch-statistics step: bump num_batches_tracked, then
 // ATen's lerp on the CPU (its vector formula): start + weight * (end - start), from the nearer end
 template <typename T> T lerp(T start, T end, T weight) {
   const bool small = std::abs(weight) < T(0.5);
   return std::fma(small ? weight : weight - T(1), end - start, small ? start : end);
 }
 
+// BatchNorm's bookkeeping after a batch-statistics step: bump num_batches_tracked, then
 // running = lerp(running, batch value, momentum, or 1/num_batches_tracked where momentum is None: a cumulative average).
 // On the CPU a loop over the C values: the six tensor ops it replaces (add_, select, to, lerp_ twice) cost ~13 us a
 // layer forward in a loop and more right after a conv, with the caches cold

@@ -32,6 +32,10 @@ def cpu_has_native_bf16() -> bool:
     from clfast.amp import cpu_native_dtypes
     return torch.bfloat16 in cpu_native_dtypes()
 
+def cpu_amps(args) -> list:
+    "The CPU autocast dtypes a section times: None (fp32), then bf16 where native (or asked for with --cpu-bf16)"
+    return [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
+
 def saved_bytes(model, x):
     "Bytes of the unique storages autograd saves for backward during one forward (parameters counted apart)"
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -87,7 +91,7 @@ def with_setting(step, switch, value):
 
 def section_train(args):
     "fuse='speed' and 'memory' against stock channels-last: step time (fp32, and bf16 autocast where native), saved activations"
-    amps = [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
+    amps = cpu_amps(args)
     for name in args.models:
         print(f"\n## CPU training step: timm {name}, batch {args.bs}, {args.px} px, channels-last, train mode")
         torch.manual_seed(0)
@@ -123,7 +127,7 @@ def section_train(args):
 
 def section_infer(args):
     "fold_conv_bn + channels-last (oneDNN) against stock and torch.compile (inductor), fp32 and bf16 autocast"
-    amps = [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
+    amps = cpu_amps(args)
     if not args.warm_compile:  # time a cold compile, as a first run sees it, not one served from inductor's cache
         import torch._inductor.config as icfg
         icfg.force_disable_caches = True
@@ -225,7 +229,7 @@ def section_never_slower(args):
     default: the issue's five"""
     from clfast.guard import guard_model
     names = args.models if args.models_given else NEVER_SLOWER_MODELS
-    amps = [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
+    amps = cpu_amps(args)
     rows = []
     for name in names:
         torch.manual_seed(0)
@@ -262,7 +266,7 @@ def section_pointwise(args):
     batch size; then whole models' `to_channelslast()` training steps with the guard's product route off and on"""
     from clfast.fuse.pointwise import to_pointwise
     print("\n## squeeze-excite 1x1 convs on 1x1 maps: stock conv / PointwiseConv2d (above 1 = the matrix product faster)")
-    for dt in (torch.float32,) + ((torch.bfloat16,) if args.cpu_bf16 or cpu_has_native_bf16() else ()):
+    for dt in [amp or torch.float32 for amp in cpu_amps(args)]:
         for cin, cout in ((144, 6), (672, 28), (1152, 48), (48, 1152), (888, 222)):
             for bs in (1, 8, 64, 256):
                 stock = nn.Conv2d(cin, cout, 1).to(dt)
@@ -289,10 +293,11 @@ def section_pointwise(args):
         before = guard._PREMISES_HERE[SLOW_POINTWISE_MAPS.name]
         guard._PREMISES_HERE[SLOW_POINTWISE_MAPS.name] = on
         return before
-    amps = [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
+    amps = cpu_amps(args)
     for name in (args.models if args.models_given else ('efficientnet_b0', 'mobilenetv3_large_100', 'regnety_016')):
         torch.manual_seed(0)
-        model = cl(make_model(name)); guard_model(model)
+        model = cl(make_model(name))
+        with_setting(lambda: guard_model(model), set_route, True)()   # guarded as where the premise holds, to compare
         x = torch.randn(args.bs, 3, args.px, args.px).to(memory_format=torch.channels_last)
         for amp in amps:
             step = train_step_fn(model, x, amp=amp)

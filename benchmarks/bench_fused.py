@@ -250,12 +250,15 @@ def never_slower_rows(args) -> list:
             row = dict(name=name, dt='bf16' if amp else 'fp32', ms={k: v * 1e3 for k, v in t.items()}, first_s=first,
                        **{r: paired_stats(raw, *pair) for r, pair in RATIOS.items()})
             rows.append(row)
-            q = lambda r: f"{r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f})"
-            print(f"{name:>22} {row['dt']}: to_channelslast / speed {q(row['speed'])}; channels_last / speed "
-                  f"{q(row['speed_vs_plain'])}; channels_last / to_channelslast {q(row['route'])}; "
-                  f"{t['channels_last']*1e3:.0f} / {t['to_channelslast']*1e3:.0f} / {t['speed']*1e3:.0f} ms; "
-                  f"first steps {first:.1f} s", flush=True)
+            print_row(row, f"; {t['channels_last']*1e3:.0f} / {t['to_channelslast']*1e3:.0f} / {t['speed']*1e3:.0f} ms; "
+                           f"first steps {first:.1f} s")
     return rows
+
+def print_row(row:dict, tail:str=''):
+    "One row of issue 23's table: each of `RATIOS` as median (and range)"
+    q = lambda r: f"{r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f})"
+    print(f"{row['name']:>22} {row['dt']}: to_channelslast / speed {q(row['speed'])}; channels_last / speed "
+          f"{q(row['speed_vs_plain'])}; channels_last / to_channelslast {q(row['route'])}{tail}", flush=True)
 
 def section_never_slower(args):
     """Issue 23's table: a training step of fuse='speed' against what `to_channelslast()` runs without fusing (stock
@@ -265,10 +268,10 @@ def section_never_slower(args):
     default: the issue's five.
 
     `--processes N` runs the table in N fresh processes one after another and reports per row the median of their
-    paired medians: here a variant's step moves 10-30% from one process to the next (glibc's heap: which large
-    activations come from fresh pages differs per process and variant), enough to move one process's paired ratio by
-    as much, so one process is one sample, not the answer. `--steady-heap` runs them with glibc's mmap and trim
-    thresholds fixed high (`STEADY_HEAP`): the steps' compute without the heap's luck, which users do meet"""
+    paired medians: here a variant's step moves 10-30% from one process to the next and one process's paired ratio by
+    up to 0.3, so one process is one sample, not the answer (BENCHMARKS.md, session 16). `--steady-heap` runs them with
+    glibc's mmap and trim thresholds fixed high (`STEADY_HEAP`), one cause of those swings: no fresh zeroed pages per
+    step, which users' processes do meet"""
     if args.rows_out or (args.processes <= 1 and not args.steady_heap):
         rows = never_slower_rows(args)
         if args.rows_out: Path(args.rows_out).write_text(json.dumps(rows))
@@ -292,9 +295,7 @@ def section_never_slower(args):
                 per = sorted(run[r][0] for run in row_runs)
                 row[r] = (statistics.median(per), per[0], per[-1])
             rows.append(row)
-            q = lambda r: f"{r[0]:.3f} ({r[1]:.3f}-{r[2]:.3f})"
-            print(f"{row['name']:>22} {row['dt']}: to_channelslast / speed {q(row['speed'])}; channels_last / speed "
-                  f"{q(row['speed_vs_plain'])}; channels_last / to_channelslast {q(row['route'])}", flush=True)
+            print_row(row)
     for dt in ('fp32', 'bf16'):
         rs = [r for r in rows if r['dt'] == dt]
         if not rs: continue

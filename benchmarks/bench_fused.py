@@ -270,8 +270,8 @@ def section_never_slower(args):
     `--processes N` runs the table in N fresh processes one after another and reports per row the median of their
     paired medians: here a variant's step moves 10-30% from one process to the next and one process's paired ratio by
     up to 0.3, so one process is one sample, not the answer (BENCHMARKS.md, session 16). `--steady-heap` runs them with
-    glibc's mmap and trim thresholds fixed high (`STEADY_HEAP`), one cause of those swings: no fresh zeroed pages per
-    step, which users' processes do meet"""
+    glibc's mmap and trim thresholds fixed high (`STEADY_HEAP`): no fresh zero-filled pages per step, which users'
+    processes do meet (here it moved whole steps by -8% to +19% per model and precision, not the ratios' spread)"""
     if args.rows_out or (args.processes <= 1 and not args.steady_heap):
         rows = never_slower_rows(args)
         if args.rows_out: Path(args.rows_out).write_text(json.dumps(rows))

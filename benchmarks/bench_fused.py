@@ -276,10 +276,10 @@ def section_never_slower(args):
         rows = never_slower_rows(args)
         if args.rows_out: Path(args.rows_out).write_text(json.dumps(rows))
     else:
-        runs = []
+        runs, n = [], max(1, args.processes)
         with tempfile.TemporaryDirectory() as tmp:
-            for i in range(max(1, args.processes)):
-                print(f"\n# process {i + 1} of {args.processes}{' (steady heap)' if args.steady_heap else ''}", flush=True)
+            for i in range(n):
+                print(f"\n# process {i + 1} of {n}{' (steady heap)' if args.steady_heap else ''}", flush=True)
                 out = Path(tmp) / f'rows{i}.json'
                 child = ['--sections', 'never_slower', '--bs', args.bs, '--px', args.px, '--rounds', args.rounds,
                          '--rows-out', out, *(['--models', *args.models] if args.models_given else []),
@@ -287,7 +287,7 @@ def section_never_slower(args):
                 env = {**os.environ, **(STEADY_HEAP if args.steady_heap else {})}
                 subprocess.run([sys.executable, __file__, *map(str, child)], check=True, env=env)
                 runs.append(json.loads(out.read_text()))
-        print(f"\n## median over {args.processes} processes of each process's paired median (the processes' range)")
+        print(f"\n## median over {n} processes of each process's paired median (the processes' range)")
         rows = []
         for row_runs in zip(*runs):
             row = dict(name=row_runs[0]['name'], dt=row_runs[0]['dt'])

@@ -17,10 +17,10 @@ import fastai.callback.fp16 as fastai_fp16
 import fastai.callback.channelslast as fastai_cl
 from .core import *
 import cloudpickle
-from .amp import MixedPrecision, amp_mode_of, _amp_cbs
+from .amp import MixedPrecision, amp_mode_of, _amp_cbs, _model_device
 from .fused import MODES
 from .fuse import fuse_conv_bn, unfuse_conv_bn, is_fused, fusion_report
-from .guard import guard_model, unguard_model
+from .guard import guard_model, unguard_model, model_device
 
 # %% auto #0
 __all__ = ['fuse_mode', 'ChannelsLast']
@@ -58,6 +58,7 @@ class ChannelsLast(Callback):
         self.user_events = {k: events.pop(k) for k in _OWN_EVENTS if k in events}
         super().__init__(**events)
         self.fuse = fuse_mode(fuse)
+        self.guarded_on: torch.device|None = None   # the device `guard_model` last decided the model's guards for
 
     def _user(self, event:str):
         events = self.__dict__.get('user_events', {})   # a callback pickled by an older clfast has none
@@ -70,13 +71,21 @@ class ChannelsLast(Callback):
         self._check_single_amp()
         if self.fuse and not is_fused(self.model): _fuse(unguard_model(self.model), self.fuse)
         model_to(self.model, channels_last=True)
-        guard_model(self.model)   # convs that would reach a known-bad channels-last kernel (clfast.guard)
+        self._guard(again=True)
         opt_state_to(self.opt, channels_last=True)
         self._user('before_fit')
 
     def before_validate(self):
         model_to(self.model, channels_last=True)   # `get_preds` runs no `before_fit`
+        self._guard()
         self._user('before_validate')
+
+    def _guard(self, again:bool=False):
+        """Guard the model's convs and BNs for the device it is on now (fastai moves it in `before_fit`): on the CPU
+        those that would reach a known-bad or imprecise channels-last kernel (`clfast.guard`), elsewhere none"""
+        dev = model_device(self.model)
+        if again or dev != self.__dict__.get('guarded_on'): guard_model(self.model, dev)   # (pickled by an older clfast: none)
+        self.guarded_on = dev
     def before_batch(self):
         self.learn.xb = to_channels_last(self.xb)
         self._user('before_batch')
@@ -116,7 +125,7 @@ def to_channelslast(self:Learner,
     self.add_cb(ChannelsLast(fuse=fuse))
     if fuse: _fuse(unguard_model(self.model), fuse)       # now, so that mode switches and `fusion_report` apply at once
     elif is_fused(self.model): unfuse_conv_bn(self.model)
-    guard_model(self.model)
+    guard_model(self.model, _model_device(self))   # for where it will train; `before_fit` decides again
     old = _find_cbs(self, MixedPrecision, fastai_fp16.MixedPrecision)
     if not use_amp or (old and not explicit):   # keep what is attached, as clfast's device-aware callback
         for cb in _find_cbs(self, fastai_fp16.MixedPrecision):

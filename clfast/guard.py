@@ -24,7 +24,7 @@ __all__ = ['KNOWN_BAD_KERNELS', 'PREMISE_CACHE', 'SHORT_INPUT_FASTER', 'SHORT_IN
            'MeasuredKernel', 'weight_grad_in_nchw', 'paired_ratio', 'short_input_slower', 'may_meet_short_input',
            'short_input_plan', 'reduced_backward_slower', 'may_meet_slow_backward', 'slow_backward_conv',
            'is_pointwise', 'on_pointwise_maps', 'pointwise_product', 'pointwise_maps_slower', 'may_meet_slow_pointwise',
-           'guarded_conv', 'GuardedConv2d', 'guard_plan', 'unguard_model', 'guard_model', 'call_plan',
+           'guarded_conv', 'GuardedConv2d', 'guard_plan', 'unguard_model', 'model_device', 'guard_model', 'call_plan',
            'short_input_route', 'guard_report']
 
 # %% ../nbs/05_guard.ipynb #f1cb003b
@@ -413,9 +413,19 @@ IMPRECISE_CL_BATCH_NORM = MeasuredKernel(
     probe=imprecise_cl_batch_norm)
 MEASURED_KERNELS = (SHORT_INPUT_WGRAD, SLOW_BF16_BACKWARD, SLOW_FP16_BACKWARD, SLOW_POINTWISE_MAPS, IMPRECISE_CL_BATCH_NORM)
 
-def guard_model(model:nn.Module) -> list:
-    "Guard, in place, each conv of `model` that would reach a known-bad kernel on this machine, and make each BatchNorm2d precise where the stock one measured imprecise; returns the convs guarded, [(name, workaround, why)]"
+def model_device(model:nn.Module) -> torch.device:
+    "Where `model` computes: its first parameter's (or buffer's) device; the CPU for a model with neither"
+    t = next(model.parameters(), None)
+    if t is None: t = next(model.buffers(), None)
+    return torch.device('cpu') if t is None else t.device
+
+def guard_model(model:nn.Module, device:torch.device|str|None=None) -> list:
+    """Guard, in place, each conv of `model` that would reach a known-bad kernel on this machine, and make each
+    BatchNorm2d precise where the stock one measured imprecise; returns the convs guarded, [(name, workaround, why)].
+    CPU models only: where `device` (default: `model_device(model)`) is not the CPU, the model is left stock (its guards
+    removed) and no premise is probed, since every guard, route and probe is about a CPU kernel"""
     unguard_model(model)
+    if torch.device(model_device(model) if device is None else device).type != 'cpu': return []
     failures, guarded, skipped = _checked_failures(), [], []
     for name, m in model.named_modules():
         if not is_precise(m) and can_be_precise(m) and IMPRECISE_CL_BATCH_NORM.present(): make_precise(m)   # per call: CPU, channels-last

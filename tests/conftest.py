@@ -21,11 +21,17 @@ def pytest_collection_modifyitems(config, items):
 # as for the stock one) would be its error, not the kernels'. Both follow the user's setting outside the suite
 torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
 
-# Fused layers run fused in this suite, so that every test of them tests clfast's op; 'timed' (the default: the faster
-# of fused and stock per layer shape) has its own tests in test_fused.py, and the subprocess tests (README, notebooks)
-# run it
+# Fused layers run the way users run them ('timed': the faster of clfast's op and the stock modules, per layer shape),
+# but in the modules that test clfast's op itself: there 'timed' could run the stock way, and the test would test that.
+# Those modules say so with `pytestmark = pytest.mark.usefixtures('fused_way')`
 from clfast.fused import set_layer_way
-set_layer_way('fused')
+
+@pytest.fixture
+def fused_way():
+    "Fused layers run clfast's op, never the stock way (for tests of the op itself)"
+    before = set_layer_way('fused')
+    yield
+    set_layer_way(before)
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -6,6 +6,8 @@ from fastai.vision.models.xresnet import xresnet18
 from clfast.fused import FusedConvBN2d, PassThroughBN2d
 from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, is_fused, fold_conv_bn, fusion_report, FoldedConv2d
 
+pytestmark = pytest.mark.usefixtures('fused_way')   # the surgery's fused layers checked as clfast's op ('timed' could run them the stock way)
+
 MODELS = {
     'tv_resnet18': lambda: torchvision.models.resnet18(num_classes=10),
     'tv_resnet50': lambda: torchvision.models.resnet50(num_classes=10),

@@ -9,6 +9,8 @@ from fastai.layers import ConvLayer, NormType
 from clfast.fused import FusedConvBN2d
 from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, fusion_report, is_fused
 
+pytestmark = pytest.mark.usefixtures('fused_way')   # the surgery's fused layers checked as clfast's op ('timed' could run them the stock way)
+
 def same_step(m, x, tol=1e-9, fused_bns=None):
     "Fuse a copy of `m`; training step, running stats, eval, pickle and unfuse all as the stock module; returns the report"
     torch.manual_seed(0)

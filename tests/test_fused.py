@@ -12,6 +12,8 @@ from clfast import cpu_kernels, ops
 from clfast import fused as fused_mod
 from clfast.machine import MachineCache
 
+pytestmark = pytest.mark.usefixtures('fused_way')   # these tests are of clfast's op: 'timed' could run a layer the stock way
+
 PATHS = ['kernel', 'ref']
 
 def cpu_path(path):
@@ -424,3 +426,24 @@ def test_not_timed_where_a_timing_cannot_decide(tmp_path, monkeypatch):
         finally: torch.use_deterministic_algorithms(False)
         out = torch.compile(FusedConvBN2d(3, 4, 3, padding=1), fullgraph=True)(x)   # traced: a timing would fail
         assert out.shape == (2, 4, 5, 5)
+
+@needs_cxx
+def test_untimeable_layer_runs_fused_and_says_so_once(tmp_path, monkeypatch):
+    """A layer 'timed' cannot copy (here a weight that is a view of another tensor, as a tied or parametrized weight
+    is: deepcopy refuses non-leaf tensors) runs the fused way, says so once, and trains"""
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(fused_mod, '_ways', {})
+    f = FusedConvBN2d(3, 4, 3, padding=1, act='silu')
+    shared = nn.Parameter(torch.randn(2, 4, 3, 3, 3))
+    del f.weight
+    x = torch.randn(2, 3, 5, 5, requires_grad=True)
+    with layer_way('timed'), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        for _ in range(2):
+            f.weight = shared[0]   # a view, recomputed each step as a parametrization would
+            assert f(x).grad_fn.name().endswith('ConvBnAct>')
+            f(x).sum().backward()
+    said = [str(m.message) for m in w if 'could not be timed' in str(m.message)]
+    assert len(said) == 1 and 'runs fused' in said[0], said
+    assert shared.grad is not None and shared.grad[0].abs().sum() > 0 and not shared.grad[1].any()
+    assert MachineCache(fused_mod.LAYER_WAY_CACHE).entries() == {}   # nothing measured: nothing for the machine's cache

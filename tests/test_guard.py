@@ -18,6 +18,8 @@ from clfast.fused import FusedConvBN2d
 from clfast.audit import audit
 from helpers import image_dls
 
+pytestmark = pytest.mark.usefixtures('fused_way')   # the guard's routes inside fused layers are clfast's op's ('timed' could run them the stock way)
+
 X86 = onednn_isa() is not None
 needs_avx2 = pytest.mark.skipif(not X86 or 'avx2' not in open('/proc/cpuinfo').read() if os.path.exists('/proc/cpuinfo') else True,
                                 reason="needs an x86 CPU with AVX2 (oneDNN capped to it with ONEDNN_MAX_CPU_ISA=AVX2)")
@@ -429,3 +431,25 @@ def test_squeeze_excite_convs_as_products_where_measured(monkeypatch, held):
     assert type(pickle.loads(pickle.dumps(net))[0]) is nn.Conv2d
     unguard_model(net)
     assert type(net[0]) is type(net[2]) is nn.Conv2d
+
+def test_guard_is_for_cpu_models_only(monkeypatch):
+    """A model on another device (here 'meta': no GPU on this machine) gets no guard, no precise BN and no CPU probe,
+    from `guard_model` and from `to_channelslast()` for a learner whose batches go there; back on the CPU it is guarded"""
+    probed = []
+    monkeypatch.setattr(guard, '_holds', lambda name, probe: probed.append(name) or True)
+    learn = Learner(image_dls(), nn.Sequential(ConvLayer(3, 8), ConvLayer(8, 16, stride=2), nn.AdaptiveAvgPool2d(1),
+                                               Flatten(), nn.Linear(16, 2)), loss_func=CrossEntropyLossFlat())
+    stock = [type(m) for m in learn.model.modules()]
+    meta = copy.deepcopy(learn.model).to('meta')
+    assert guard.model_device(meta).type == 'meta' and guard_model(meta) == [] and probed == []
+    assert [type(m) for m in meta.modules()] == stock
+    learn.dls.device = torch.device('meta')          # where fastai's before_fit will move the model
+    learn.to_channelslast(amp_mode='bf16')
+    assert [type(m) for m in learn.model.modules()] == stock and probed == []
+    learn.dls.device = torch.device('cpu')
+    learn.to_channelslast(amp_mode='bf16')
+    assert probed and any(type(m) is not t for m, t in zip(learn.model.modules(), stock))   # this CPU's premises hold
+    learn.model.to('meta')                           # moved: the callback decides again at the next validation
+    cb = next(c for c in learn.cbs if type(c).__name__ == 'ChannelsLast')
+    cb.before_validate()
+    assert [type(m) for m in learn.model.modules()] == stock

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/24b_fuse_blocks.ipynb #70dcc3f9
 from __future__ import annotations
-import math
+import copy, math
 from dataclasses import dataclass
 from typing import Callable
 import torch, torch.nn.functional as F
@@ -46,6 +46,12 @@ class _BNSlice:
         self.weight, self.bias, self.running_mean, self.running_var = sl(bn.weight), sl(bn.bias), sl(bn.running_mean), sl(bn.running_var)
         self.num_batches_tracked = bn.num_batches_tracked if first else None
         self._stock_class, self.process_group = getattr(bn, '_stock_class', type(bn)), getattr(bn, 'process_group', None)
+    def __deepcopy__(self, memo):
+        "A detached copy (what `clfast.fused` times a layer on): a slice of a parameter is a view, which deepcopy refuses"
+        new = copy.copy(self)   # the process group is shared, as deepcopy of a module shares it
+        for k, v in vars(self).items():
+            if isinstance(v, Tensor): setattr(new, k, v.detach().clone().requires_grad_(v.requires_grad))
+        return new
 
 def _mixed_forward(self, x:Tensor) -> Tensor:
     bn, outs, s = self._fused_bn, [], 0

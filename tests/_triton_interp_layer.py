@@ -13,6 +13,8 @@ from clfast.act import ACTS
 from clfast.fuse import fuse_conv_bn, fusion_report
 from test_fused import pair, compare, act_param
 
+pytestmark = pytest.mark.usefixtures('fused_way')   # the Triton path of clfast's op, and its launches: 'timed' could run the stock way
+
 def test_cpu_kernels_are_tritons():
     "The CPU's kernel ops run the Triton kernels (CLFAST_KERNELS=triton), and the layer really reaches them"
     assert ops.kernels_ready()

@@ -351,7 +351,7 @@ def test_residual_shape_error(path):
         f(torch.randn(2, 3, 5, 5), torch.randn(2, 4, 1, 1))
     assert f.bn.num_batches_tracked == 0 and (f.bn.running_mean == 0).all() and (f.bn.running_var == 1).all()
 
-# --- fused or stock per layer shape (issue 23): `clfast.fused.set_layer_way`; the suite runs 'fused' (conftest.py)
+# --- fused or stock per layer shape (issue 23): `clfast.fused.set_layer_way`; this module runs 'fused' (pytestmark above)
 
 @contextlib.contextmanager
 def layer_way(how):
@@ -362,7 +362,7 @@ def layer_way(how):
 def test_set_layer_way():
     with pytest.raises(ValueError, match="one of \\('fused', 'stock', 'timed'\\)"): fused_mod.set_layer_way('fast')
     with layer_way('stock'): assert fused_mod.set_layer_way('stock') == 'stock'
-    assert fused_mod.set_layer_way('fused') == 'fused'   # the suite's setting, restored
+    assert fused_mod.set_layer_way('fused') == 'fused'   # this module's setting (the fused_way fixture), restored
 
 @pytest.mark.parametrize('act,res', [('relu', True), ('silu', False), ('leaky_relu', True)])
 def test_stock_way_is_stock(act, res):

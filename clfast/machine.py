@@ -122,15 +122,16 @@ class MachineCache:
         return data if isinstance(data, dict) else {}
 
     def entries(self) -> dict:
-        "Everything cached for this machine"
-        return dict(self._load().get(machine_key(), {}))
+        "Everything cached for this machine (nothing where the file holds something else there: it is measured again)"
+        mine = self._load().get(machine_key())
+        return dict(mine) if isinstance(mine, dict) else {}
 
     def get(self, key:str, default=None): return self.entries().get(key, default)
 
     def update(self, values:dict):
         "Merge `values` into this machine's entries"
         data = self._load()
-        data.setdefault(machine_key(), {}).update(values)
+        data[machine_key()] = {**self.entries(), **values}
         return self._write(data)
 
     def clear(self):

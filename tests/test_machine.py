@@ -1,6 +1,6 @@
 """clfast.machine: the CPU's instruction-set level, clfast's level under the CLFAST_MAX_CPU_ISA cap (and its bad
 values), and the per-machine key that caches of measurements use."""
-import os, subprocess, sys, textwrap, warnings
+import json, os, subprocess, sys, textwrap, warnings
 from pathlib import Path
 import pytest
 from clfast import machine
@@ -103,3 +103,29 @@ def test_isa_matrix_runs_the_levels_below_the_host(host, monkeypatch, flags, arc
     run, skip = m.plan()
     assert [k['name'] for k in run] == runs
     assert sorted(k['name'] for k, why in skip) == sorted(set(k['name'] for k in m.KINDS) - set(runs)) and all(w for _, w in skip)
+
+@pytest.mark.parametrize('text', ['', '{"torch', '\x00\xff garbage', '[1, 2]', 'null', '{"%KEY%": [1, 2]}', '{"%KEY%": "x"}'])
+def test_a_broken_cache_is_measured_again(text, tmp_path, monkeypatch):
+    "A cache file truncated, corrupted or holding something else: its premises are probed again and written back whole"
+    from clfast import guard
+    from clfast.machine import MachineCache, machine_key
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    path = MachineCache(guard.PREMISE_CACHE).path
+    path.write_text(text.replace('%KEY%', machine_key()))
+    probed = []
+    assert guard.premise('p', lambda: probed.append(1) or True) is True and probed == [1]
+    assert guard.premise('p', lambda: probed.append(1) or False) is True and probed == [1]   # read back, not probed
+    assert json.loads(path.read_text())[machine_key()] == {'p': True}
+
+def test_two_processes_writing_one_cache(tmp_path):
+    "Two processes updating one cache at once: every read in either sees a whole file (a lost update is measured again)"
+    code = ("import sys; from clfast.machine import MachineCache\n"
+            "c = MachineCache('race')\n"
+            "for i in range(200):\n"
+            "    c.update({f'{sys.argv[1]}{i}': i}); assert isinstance(c.entries(), dict)\n")
+    env = {**os.environ, 'CLFAST_CACHE_DIR': str(tmp_path)}
+    ps = [subprocess.Popen([sys.executable, '-c', code, tag], env=env, stderr=subprocess.PIPE, text=True) for tag in 'ab']
+    errs = [p.communicate()[1] for p in ps]
+    assert all(p.returncode == 0 for p in ps), errs
+    data = json.loads((tmp_path/'race.json').read_text())
+    assert len(data) == 1 and all(isinstance(v, int) for v in next(iter(data.values())).values())

@@ -121,17 +121,22 @@ class MachineCache:
         except (OSError, ValueError): return {}
         return data if isinstance(data, dict) else {}
 
-    def entries(self) -> dict:
-        "Everything cached for this machine (nothing where the file holds something else there: it is measured again)"
-        mine = self._load().get(machine_key())
+    @staticmethod
+    def _mine(data:dict) -> dict:
+        "This machine's entries in `data` (none where the file holds something else there: they are measured again)"
+        mine = data.get(machine_key())
         return dict(mine) if isinstance(mine, dict) else {}
+
+    def entries(self) -> dict:
+        "Everything cached for this machine"
+        return self._mine(self._load())
 
     def get(self, key:str, default=None): return self.entries().get(key, default)
 
     def update(self, values:dict):
         "Merge `values` into this machine's entries"
         data = self._load()
-        data[machine_key()] = {**self.entries(), **values}
+        data[machine_key()] = {**self._mine(data), **values}
         return self._write(data)
 
     def clear(self):

@@ -51,7 +51,8 @@ def _stats_final(ps_ptr, pq_ptr, shift_ptr, mean_ptr, var_ptr, P, M, C, BLOCK_C:
         q += tl.load(pq_ptr + p * C + cols, mask=cmask, other=0)
     md = s / M
     tl.store(mean_ptr + cols, shift + md, mask=cmask)
-    tl.store(var_ptr + cols, tl.maximum(q / M - md * md, 0), mask=cmask)
+    v = q / M - md * md
+    tl.store(var_ptr + cols, tl.where(v < 0, 0., v), mask=cmask)   # a NaN kept, as ATen's (tl.maximum drops it)
 
 # %% ../nbs/20_triton_kernels.ipynb #becb01eb
 @triton.jit

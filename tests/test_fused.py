@@ -447,3 +447,23 @@ def test_untimeable_layer_runs_fused_and_says_so_once(tmp_path, monkeypatch):
     assert len(said) == 1 and 'runs fused' in said[0], said
     assert shared.grad is not None and shared.grad[0].abs().sum() > 0 and not shared.grad[1].any()
     assert MachineCache(fused_mod.LAYER_WAY_CACHE).entries() == {}   # nothing measured: nothing for the machine's cache
+
+@needs_cxx
+@pytest.mark.parametrize('bad', [float('nan'), float('inf'), -float('inf')])
+@pytest.mark.parametrize('act,res', [('relu', True), ('silu', False), ('none', False)])
+def test_a_nan_or_inf_batch_is_as_stock(bad, act, res):
+    """A batch holding a NaN or an infinity: the fused layer's output, gradients and running statistics are NaN / inf
+    exactly where the stock modules' are (no crash, no fix-up: a NaN batch variance once became 0 in the running one)"""
+    torch.manual_seed(0)
+    f = FusedConvBN2d(3, 4, 3, padding=1, act=act)
+    stock = copy.deepcopy(f.to_stock())
+    x = torch.randn(2, 3, 6, 6); x[0, 1, 2, 3] = bad
+    r = torch.randn(2, 4, 6, 6) if res else None
+    xs, xf = x.clone().requires_grad_(), x.clone().contiguous(memory_format=torch.channels_last).requires_grad_()
+    z = stock[1](stock[0](xs))
+    os_, of = ACTS[act](z if r is None else z + r), f(xf, r)
+    os_.sum().backward(); of.sum().backward()
+    pattern = lambda t: (t.isnan(), t.isinf())
+    for a, b in [(os_, of), (xs.grad, xf.grad), (stock[0].weight.grad, f.weight.grad), (stock[1].weight.grad, f.bn.weight.grad),
+                 (stock[1].running_mean, f.bn.running_mean), (stock[1].running_var, f.bn.running_var)]:
+        assert all(torch.equal(p, q) for p, q in zip(pattern(a), pattern(b)))

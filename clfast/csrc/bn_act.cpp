@@ -92,7 +92,8 @@ void stats_impl(const scalar_t* xp, int64_t m, int64_t c, double* mean, double* 
   for (int64_t j = 0; j < c; ++j) {
     const double md = s1[j] / double(m);
     mean[j] = double(sh[j]) + md;
-    var[j] = std::max(0.0, s2[j] / double(m) - md * md);
+    const double v = s2[j] / double(m) - md * md;
+    var[j] = v < 0.0 ? 0.0 : v;  // rounding below 0 clamped; a NaN (a NaN or inf in x) kept, as ATen's (std::max drops it)
   }
 }
 

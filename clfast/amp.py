@@ -17,6 +17,7 @@ from fastai.torch_core import to_float
 from fastai.learner import Learner
 from .core import ClfastWarning
 from .machine import MachineCache
+from .guard import model_device
 
 # %% auto #0
 __all__ = ['FAST_ENOUGH', 'MAX_PAIRS', 'amp_mode_of', 'cpu_native_dtypes', 'measure_cpu_amp', 'cpu_amp_speed', 'resolve_amp',
@@ -177,8 +178,7 @@ def cpu_fp32_fallbacks(dtype:torch.dtype) -> list:
 def _model_device(learn) -> torch.device:
     "Where the batches will be: the `DataLoaders`' device, else the model's"
     dev = getattr(getattr(learn, 'dls', None), 'device', None)
-    if dev is None: dev = next(learn.model.parameters(), torch.empty(0)).device
-    return torch.device(dev)
+    return model_device(learn.model) if dev is None else torch.device(dev)
 
 # %% ../nbs/01_amp.ipynb #df596060
 _SCALER_ARGS = tuple(p for p in inspect.signature(GradScaler).parameters if p != 'device')

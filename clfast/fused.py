@@ -122,18 +122,17 @@ def _way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_pa
         way = cache.get(str(key))
         if way not in ('fused', 'stock'):
             try: way = _timed_way(x, conv, bn, residual, a, act_param, grad)
-            except Exception as e:   # a layer that cannot be copied or run twice: fused, this process only (not measured)
-                _ways[key] = 'fused'
-                _say_untimed(conv, e)
-                return 'fused'
-            cache.update({str(key): way})
+            except Exception as e: way = _untimed(conv, e)   # this process only: nothing was measured
+            else: cache.update({str(key): way})
         _ways[key] = way
     return _ways[key]
 
-def _say_untimed(conv:nn.Conv2d, e:Exception):
+def _untimed(conv:nn.Conv2d, e:Exception) -> str:
+    "The way of a layer that cannot be copied or run twice for timing: 'fused', said once"
     from clfast.core import ClfastWarning   # here: clfast.core imports fastai, which the fused op need not
     warnings.warn(f"clfast: a fused layer (conv weight {list(conv.weight.shape)}) could not be timed against its stock "
                   f"way ({type(e).__name__}: {e}); it runs fused", ClfastWarning, stacklevel=4)
+    return 'fused'
 
 STOCK_MARGIN = 0.95   # the stock way is chosen when its median time is at most this fraction of the fused way's
 TIMED_ROUNDS = 5      # paired rounds after a warm-up; the stock way must also win in all but one

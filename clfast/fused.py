@@ -49,7 +49,7 @@ def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|Non
     if geom is None: raise ValueError(f"cannot fuse {conv}: needs padding_mode='zeros' and a symmetric padding")
     keep_y = check_mode(mode) == 'speed'
     a = get_act(act)
-    if not kernels_ready(): return _stock_layer(x, conv, bn, residual, a, act_param)
+    if not kernels_ready(x.device): return _stock_layer(x, conv, bn, residual, a, act_param)
     if _way(x, conv, bn, residual, a, act_param, keep_y) == 'stock': return _stock_layer(x, conv, bn, residual, a, act_param)
     return _fused_layer(x, conv, bn, residual, a, act_param, keep_y, geom)
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/21_ops.ipynb #1d850bd9
 from __future__ import annotations
-import contextlib, inspect, os, warnings
+import contextlib, inspect, os, shutil, warnings
 from types import SimpleNamespace
 from typing import Callable, Optional
 import torch, torch.distributed as dist
@@ -107,7 +107,7 @@ def _(y, group):
 def _(sum_dz, sum_dzx, y, group): return sum_dz.new_empty(2, sum_dz.shape[0])
 
 # %% ../nbs/21_ops.ipynb #83ec09d0
-_loaded: dict[str, Optional[str]] = {}   # 'cpu' -> None once loaded, else why not
+_loaded: dict[str, Optional[str]] = {}   # 'cpu' -> None once the C++ library loaded, else why not; 'cuda:i' -> why not, or None
 _OTHER_KERNELS = dict(ref=lambda: REFERENCE, triton=_triton)
 _FORCED: list[torch.library.Library] = []   # CLFAST_KERNELS's registration: the process's
 
@@ -122,17 +122,22 @@ def _serve(name:str, key:str='CPU') -> torch.library.Library:
 def kernels_from(name:str, key:str='CPU'):
     """Serve dispatch key `key` with the kernel set `name` ('ref' or 'triton') inside the block, its own kernels again
     after it. `kernels_from('triton', 'Meta')`: Triton's launch code runs on shape-only tensors (`clfast.gpu_report`)"""
-    if not kernels_ready(): raise RuntimeError(f"clfast's fused layer cannot run here: {_loaded['cpu']}")
+    if 'cpu' not in _loaded: _load_kernels()   # first: the C++ library, loaded inside, would register over the block's
     lib = _serve(name, key)
     try: yield
     finally: lib._destroy()
 
-def kernels_ready() -> bool:
-    """Whether the fused layer's op can run: its C++ library built (once per machine) and loaded; warns once, saying
-    why, where not. Fused and precise modules ask when they are made, so a model compiled before its first eager step
-    finds the library loaded (torch.compile cannot trace the loading)"""
+def kernels_ready(device:str|torch.device='cpu') -> bool:
+    """Whether the fused layer's op can run on `device`; warns once, saying why, where not. On the CPU its kernels are
+    the C++ library's (built once per machine, loaded; or a set `CLFAST_KERNELS` names), on CUDA Triton's (an sm_80 or
+    newer GPU, and Triton with the C compiler it builds its launchers with: no C++ library needed), on a shape-only
+    'meta' tensor the fakes. Fused and precise modules ask for the CPU when they are made, so a model compiled before
+    its first eager step finds the library loaded (torch.compile cannot trace the loading)"""
+    dev = torch.device(device)
+    if dev.type == 'cuda': return _cuda_ready(torch.cuda.current_device() if dev.index is None else dev.index)
+    if dev.type != 'cpu': return True
     if 'cpu' not in _loaded: _load_kernels()
-    return _loaded['cpu'] is None
+    return _loaded['cpu'] is None or bool(_FORCED)
 
 def _load_kernels():
     # not `torch.compiler.disable`: it imports torch._dynamo, 1.2 s of every `import clfast`
@@ -140,16 +145,35 @@ def _load_kernels():
         raise RuntimeError("clfast's C++ library loads outside torch.compile: make the fused or precise modules, or call "
                            "clfast.ops.kernels_ready(), before compiling")
     from clfast import cpu_kernels
+    forced = os.environ.get('CLFAST_KERNELS', '').lower()
     try:
         cpu_kernels.load()
         _loaded['cpu'] = None
     except CpuIsaError: raise   # a misspelt CLFAST_MAX_CPU_ISA is the user's to fix, not a reason to run slowly
     except Exception as e:
         _loaded['cpu'] = f"{type(e).__name__}: {e}"
-        warnings.warn(f"clfast: the fused layers run as their stock modules ({_loaded['cpu']})", stacklevel=3)
-        return
-    forced = os.environ.get('CLFAST_KERNELS', '').lower()
+        if not forced: warnings.warn(f"clfast: on the CPU the fused layers run as their stock modules ({_loaded['cpu']}); "
+                                     "on a CUDA GPU they need no C++ library", stacklevel=3)
     if forced: _FORCED.append(_serve(forced))
+
+def _cuda_why_not(index:int) -> str|None:
+    "Why clfast's Triton kernels cannot run on CUDA device `index`, or None when they can"
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 8: return f"{torch.cuda.get_device_name(index)} is sm_{major}{minor}; clfast's Triton kernels need sm_80 or newer"
+    try: import triton   # noqa: F401
+    except ImportError as e: return f"Triton cannot be imported ({e})"
+    # Triton compiles a small C launcher per kernel signature, with $CC or the first of gcc and clang it finds
+    if not (os.environ.get('CC') or shutil.which('gcc') or shutil.which('clang')):
+        return "Triton needs a C compiler to build its kernel launchers: install gcc or set CC"
+    return None
+
+def _cuda_ready(index:int) -> bool:
+    key = f'cuda:{index}'
+    if key not in _loaded:
+        _loaded[key] = _cuda_why_not(index)
+        if _loaded[key]: warnings.warn(f"clfast: on {key} the fused layers run as their stock modules ({_loaded[key]})",
+                                       stacklevel=4)
+    return _loaded[key] is None
 
 # %% ../nbs/21_ops.ipynb #1c73f99f
 def autocast_on(dev:str) -> bool:
@@ -170,6 +194,95 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     if not autocast_on(dev): return ts
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
+
+# %% ../nbs/21_ops.ipynb #b7c1e0a2
+class _LayerStep(torch.autograd.Function):
+    """`clfast::conv_bn_act`'s autograd node in Python: `csrc/layer_op.cpp`'s `ConvBnAct` line for line (the same kernel
+    ops, the same saved tensors, the same results bit for bit), for where the C++ library is not loaded, such as a GPU
+    machine without a C++ toolchain. Wherever the library loads its node runs: this one costs ~100 us more host time
+    per layer step"""
+    @staticmethod
+    def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom:ConvGeometry, eps, act, act_param,
+                keep_y, training, group):
+        if training and group:   # this rank's conv, its statistics joined with the other ranks', then the layer
+            y_here = x if weight is None else _conv(x, weight, bias, geom).contiguous(memory_format=torch.channels_last)
+            mean_all, var_all, count = torch.ops.clfast.synced_stats(y_here, group)
+            out, y, params = torch.ops.clfast.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean_all, var_all,
+                                                        *geom, eps, act, act_param, keep_y, y_here)
+            params[4].mul_(count / (count - 1).clamp_min(1))
+        else:
+            out, y, params = torch.ops.clfast.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *geom,
+                                                        eps, act, act_param, keep_y, None)
+            if training:   # row 4, the variance the running average takes, unbiased (backward reads rows 0-3)
+                n = out.numel() // out.shape[1]
+                params[4].mul_(n / max(n - 1, 1))
+        a = _act_of(act)
+        has_act, has_res = a.name != 'none', residual is not None
+        from_out = has_res and has_act and a.grad_from_out(act_param)
+        ctx.save_for_backward(x, weight, bias, y, params, residual if has_res and has_act and not from_out else None,
+                              out if from_out else None)
+        ctx.geom, ctx.training, ctx.act, ctx.act_param, ctx.group = geom, training, act, act_param, group
+        ctx.bn_dtypes = tuple(None if t is None else t.dtype for t in (bn_weight, bn_bias))
+        ctx.mark_non_differentiable(y, params)
+        ctx.set_materialize_grads(False)
+        return out, y, params
+
+    @staticmethod
+    def backward(ctx, dout, _dy, _dparams):
+        if torch.is_grad_enabled():
+            raise RuntimeError("clfast's fused conv-BN has no double backward (create_graph=True): unfuse the model "
+                               "(clfast.fuse.unfuse_conv_bn) for higher-order gradients")
+        if dout is None: return (None,) * 15
+        x, weight, bias, y, params, residual, out = ctx.saved_tensors
+        if out is None: out = x.new_empty(0)
+        needs = list(ctx.needs_input_grad[:6])
+        res_through_act = needs[5] and _act_of(ctx.act).name != 'none'
+        dout = dout.to(x.dtype)
+        bwd = lambda y, needs, means: torch.ops.clfast.layer_bwd(dout, x, weight, bias, y, params, residual, out, *ctx.geom,
+                                                                 ctx.training, ctx.act, ctx.act_param, needs, means)
+        if ctx.training and ctx.group:   # this rank's two per-channel sums, summed over the ranks, then dy from their means
+            if y.numel() == 0: y = _conv(x, weight, bias, ctx.geom).contiguous(memory_format=torch.channels_last)
+            _, _, _, sum_dzx, sum_dz, _ = bwd(y, [False, False, False, True, True, False], None)
+            means = torch.ops.clfast.synced_grad_means(sum_dz, sum_dzx, y, ctx.group)
+            dx, dw, db, _, _, dres = bwd(y, [*needs[:3], False, False, res_through_act], means)
+            dbw, dbb = sum_dzx, sum_dz   # BN's own parameter gradients stay this rank's, as SyncBatchNorm's
+        else: dx, dw, db, dbw, dbb, dres = bwd(y, [*needs[:5], res_through_act], None)
+        if needs[5] and not res_through_act: dres = dout   # no activation: dresidual is dout
+        grads = [g if need and g is not None and g.numel() else None for need, g in zip(needs, (dx, dw, db, dbw, dbb, dres))]
+        grads[3:5] = [None if g is None else g.to(dt) for g, dt in zip(grads[3:5], ctx.bn_dtypes)]
+        return (*grads, *([None] * 9))
+
+def _update_running(running_mean:Optional[Tensor], running_var:Optional[Tensor], num_batches_tracked:Optional[Tensor],
+                    params:Tensor, momentum:Optional[float]):
+    "BatchNorm's bookkeeping after a batch-statistics step, as `csrc/layer_op.cpp`'s `update_running` (its general branch)"
+    with torch.no_grad():
+        weight = momentum
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+            if momentum is None: weight = num_batches_tracked.to(params.dtype).reciprocal()
+        if running_mean is None or running_var is None: return
+        for running, row in ((running_mean, 0), (running_var, 4)):
+            w = 0.0 if weight is None else weight if isinstance(weight, float) else weight.to(running.dtype)
+            running.lerp_(params[row].to(running.dtype), w)
+
+def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked,
+                 training:bool, momentum, eps:float, stride, padding, dilation, groups:int, act:int, act_param:float,
+                 keep_y:bool, group:str='') -> Tensor:
+    "`torch.ops.clfast.conv_bn_act` in Python (same arguments), as `csrc/layer_op.cpp`'s `conv_bn_act`"
+    batch_stats = training or running_mean is None or running_var is None
+    mean = var = None
+    if not batch_stats:   # copies: a later in-place update of the running statistics must not change what backward saved
+        mean, var = running_mean.detach().clone(), running_var.detach().clone()
+    geom = ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups)
+    out, _, params = _LayerStep.apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act, act_param,
+                                      keep_y and weight is not None, batch_stats, group if batch_stats else '')
+    if training and (running_mean is not None or num_batches_tracked is not None):
+        _update_running(running_mean, running_var, num_batches_tracked, params, momentum)
+    return out
+
+def _layer_op() -> Callable:
+    "The layer op: the C++ library's where it loaded, else its Python twin"
+    return torch.ops.clfast.conv_bn_act if _loaded.get('cpu', 'not loaded') is None else _conv_bn_act
 
 # %% ../nbs/21_ops.ipynb #7ddcb450
 def _out_size(x:Tensor, weight:Optional[Tensor], geom:ConvGeometry) -> list[int]:
@@ -195,8 +308,9 @@ def fused_conv_bn(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_w
     group = _group_name(process_group) if batch_stats else ''
     if batch_stats and not group and size[0] * size[2] * size[3] == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size torch.Size({size})")
-    if not kernels_ready(): raise RuntimeError(f"clfast's fused layer cannot run here: {_loaded['cpu']}")
+    if not kernels_ready(x.device):
+        raise RuntimeError(f"clfast's fused layer cannot run on {x.device}: {_loaded.get(str(x.device))}")
     if residual is not None and residual.dtype != x.dtype: residual = residual.to(x.dtype)
-    return torch.ops.clfast.conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var,
+    return _layer_op()(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var,
                                         num_batches_tracked, training, momentum, eps, *geometry, a.code,
                                         float(act_param), keep_y, group)

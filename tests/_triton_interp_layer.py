@@ -7,6 +7,7 @@ import os
 assert os.environ.get('TRITON_INTERPRET') == '1' and os.environ.get('CLFAST_KERNELS') == 'triton', \
     "run with TRITON_INTERPRET=1 CLFAST_KERNELS=triton (see test_ops.py)"
 import copy, pytest, torch
+from pathlib import Path
 from torch import nn
 from clfast import ops, triton_kernels
 from clfast.act import ACTS
@@ -18,6 +19,11 @@ pytestmark = pytest.mark.usefixtures('fused_way')   # the Triton path of clfast'
 def test_cpu_kernels_are_tritons():
     "The CPU's kernel ops run the Triton kernels (CLFAST_KERNELS=triton), and the layer really reaches them"
     assert ops.kernels_ready()
+    # the layer op: the C++ library's, or (an install without it, no compiler: test_ops.py) its Python twin
+    if os.environ.get('CLFAST_TEST_LAYER_OP') == 'none':
+        assert ops._layer_op() is ops._conv_bn_act and 'no C++ compiler' in ops._loaded['cpu']
+        assert not list(Path(ops.__file__).parent.glob('*.so'))   # the copy, with no library
+    else: assert ops._layer_op() is torch.ops.clfast.conv_bn_act
     cpu = next(l for l in torch._C._dispatch_dump('clfast::layer_fwd').splitlines() if l.startswith('CPU:'))
     assert 'clfast/ops.py' in cpu, cpu
     calls = []

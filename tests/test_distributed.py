@@ -47,6 +47,9 @@ def _sync_worker(rank, init, out, mode, order, dtype, sizes, kernels, exchange):
     if exchange == 'msg': os.environ['CLFAST_HOST_EXCHANGE'] = '0'   # gloo's messages, as between hosts
     if kernels == 'triton': os.environ.update(CLFAST_KERNELS='triton', TRITON_INTERPRET='1')   # CUDA's code path
     from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, convert_sync_batchnorm
+    if kernels == 'python-op':   # the layer op's Python twin, as on a GPU machine without the C++ library (this one has it)
+        from clfast import ops
+        ops._layer_op = lambda: ops._conv_bn_act
     _init(rank, init)
     try:
         model = _net().to(dtype)
@@ -75,6 +78,7 @@ def _rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm().cla
     ('memory', 'convert-first', torch.float64, (8, 8), 'cpu', 'msg'),  # statistics by gloo's messages
     ('speed', 'convert-first', torch.float32, (8, 8), 'cpu', 'host'),
     ('memory', 'fuse-first', torch.float64, (11, 5), 'triton', 'host'),   # the Triton kernels, interpreted on the CPU
+    ('speed', 'convert-first', torch.float64, (11, 5), 'python-op', 'host'),   # the layer op's Python autograd node
     ('off', 'convert-first', torch.float64, (11, 5), 'cpu', 'host'),     # not fused: clfast's precise SyncBatchNorm
     ('off', 'convert-first', torch.float32, (8, 8), 'cpu', 'msg')])
 def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, sizes, kernels, exchange):

@@ -1,7 +1,7 @@
 """Tests of `clfast.ops`: the fused layer's op (`clfast::conv_bn_act`) over every kernel set that can run here (C++ on
 the CPU, the pure-PyTorch reference, Triton interpreted in a subprocess, CUDA when present) against the fp64 oracle:
 stock conv -> batch_norm -> (+ residual) -> activation, differentiated by autograd."""
-import contextlib, os, subprocess, sys, textwrap
+import contextlib, itertools, os, shutil, subprocess, sys, textwrap, warnings
 from pathlib import Path
 from unittest import mock
 import pytest, torch
@@ -255,13 +255,61 @@ def test_triton_interpreted():
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     assert ' passed' in p.stdout and 'skipped' not in p.stdout
 
-def test_triton_interpreted_layer():
+def _layer_step(op, dt, training, res, act, keep_y, conv, momentum, stats):
+    "One forward + backward of the layer op `op` on seeded inputs: the output, every gradient, the running statistics"
+    g = torch.Generator().manual_seed(1)
+    rand = lambda *s: torch.randn(*s, generator=g).to(dt)
+    c = 5 if conv else 4
+    x = rand(3, 4, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+    w = rand(5, 4, 3, 3).requires_grad_() if conv else None
+    bw, bb = rand(c).requires_grad_(), rand(c).requires_grad_()
+    r = rand(3, c, 6, 6).requires_grad_() if res else None
+    acc = torch.float64 if dt == torch.float64 else torch.float32
+    rm, rv, nbt = (rand(c).to(acc), rand(c).to(acc).abs() + .5, torch.tensor(3)) if stats else (None, None, None)
+    out = op(x, w, None, bw, bb, r, rm, rv, nbt, training, momentum, 1e-5, [1, 1], [1, 1] if conv else [0, 0], [1, 1], 1,
+             ACTS[act].code, 0.1, keep_y, '')
+    out.backward(rand(*out.shape))
+    return [out, *(None if t is None else t.grad for t in (x, w, bw, bb, r)), rm, rv, nbt]
+
+@pytest.mark.parametrize('dt', [torch.float32, torch.bfloat16, torch.float64])
+def test_python_layer_op_is_the_cpp_ops_twin(dt):
+    """The layer op's Python autograd node (`ops._conv_bn_act`, what runs where the C++ library is not loaded) gives the
+    C++ op's results bit for bit, over the same kernels: output, every gradient, running statistics, layouts; training
+    and eval, residual, activations (from the output or not), both modes, with and without a conv, cumulative momentum"""
+    if not ops.kernels_ready() or ops._loaded['cpu']: pytest.skip(f"no C++ library to compare with: {ops._loaded['cpu']}")
+    cases = itertools.product([True, False], [True, False], ['none', 'relu', 'silu', 'leaky_relu'], [True, False],
+                              [True, False], [0.1, None], [True, False])
+    for case in cases:
+        want, got = (_layer_step(op, dt, *case) for op in (torch.ops.clfast.conv_bn_act, ops._conv_bn_act))
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert (a is None) == (b is None), (case, i)
+            if a is not None: assert torch.equal(a, b) and a.stride() == b.stride(), (case, i)
+
+def test_an_old_gpu_runs_stock_and_says_so_once(monkeypatch):
+    "A CUDA GPU older than sm_80 runs the fused layers as stock, said once. (Faked: no such GPU here, nor any GPU)"
+    monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda i=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, 'get_device_name', lambda i=None: 'Tesla T4')
+    monkeypatch.delitem(ops._loaded, 'cuda:0', raising=False)   # decided afresh, restored after the test
+    with pytest.warns(UserWarning, match=r"on cuda:0 the fused layers run as their stock modules \(Tesla T4 is sm_75"):
+        assert not ops.kernels_ready('cuda:0')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert not ops.kernels_ready(torch.device('cuda', 0))   # said once
+
+@pytest.mark.parametrize('library', ['cpp', 'none'])
+def test_triton_interpreted_layer(library, tmp_path):
     """The CUDA code path end to end on the CPU: the fused layer (every activation, residual, both modes) and a training
-    step of a fused ResNet and EfficientNet through the op's Triton backend, interpreted, against stock"""
+    step of a fused ResNet and EfficientNet through the op's Triton backend, interpreted, against stock. `library`
+    'none': a copy of clfast with no C++ library built and no compiler to build one, as on a GPU machine without a C++
+    toolchain: the layer op is then its Python twin"""
     pytest.importorskip('triton')
+    env = _env(TRITON_INTERPRET='1', CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP=library)
+    if library == 'none':
+        shutil.copytree(ROOT/'clfast', tmp_path/'clfast', ignore=shutil.ignore_patterns('*.so', '__pycache__'))
+        env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}", CXX=str(tmp_path/'no-compiler'),
+                   TORCH_EXTENSIONS_DIR=str(tmp_path/'extensions'))
     p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
-                        str(ROOT/'tests'/'_triton_interp_layer.py')],
-                       env=_env(TRITON_INTERPRET='1', CLFAST_KERNELS='triton'), capture_output=True, text=True, cwd=ROOT)
+                        str(ROOT/'tests'/'_triton_interp_layer.py')], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     assert ' passed' in p.stdout and 'skipped' not in p.stdout
 

@@ -71,7 +71,7 @@ def _stock_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
     where stock channels-last BN measured imprecise here (without the C++ library: the stock BN), then the residual and
     the activation"""
     z = guarded_conv(conv, x, conv.weight, conv.bias)
-    if kernels_ready() and x.is_cpu and sync_group(bn) is None and IMPRECISE_CL_BATCH_NORM.present():
+    if x.is_cpu and kernels_ready() and sync_group(bn) is None and IMPRECISE_CL_BATCH_NORM.present():
         with no_autocast(x.device.type):
             z = fused_conv_bn(z, None, None, bn.weight, bn.bias, **bn_args(bn))   # `clfast.bn`'s precise BN
     else: z = (nn.SyncBatchNorm if is_sync_bn(bn) else nn.BatchNorm2d).forward(bn, z)   # BN's rules, whatever bn's class now

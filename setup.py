@@ -32,46 +32,44 @@ pkg_data = cfg.get('package_data', None)
 if pkg_data:
     package_data[pkg_data.split(':')[0].strip()] = pkg_data.split(':')[1].split()
 
-# clfast's C++ CPU kernels, built here for every instruction-set level this CPU runs (clfast/cpu_kernels.py). They
-# need torch at build time: `pip install --no-build-isolation` (pip's isolated build environment has no torch). Without
-# torch or a compiler the install goes on without them, and the kernels build at first use (or with `clfast build`).
+# clfast's C++ CPU kernels are built on first use (or by `clfast build`), once per machine and torch, against the torch
+# that runs them, saying so: an install needs neither torch nor a compiler, with or without pip's build isolation.
+# A wheel for distribution builds them in: CLFAST_BUILD_KERNELS=all (every level) or host (this CPU's), with torch
+# importable where it builds (`pip wheel --no-build-isolation .`); a library is named after the torch and sources it
+# was built from, and a stale one is never loaded.
 def _say(msg): print(f"clfast: {msg}", file=sys.stderr, flush=True)
 
 def kernel_extensions():
+    which = os.environ.get('CLFAST_BUILD_KERNELS', '').lower()
+    if not which: return [], {}
+    if which not in ('all', 'host'): raise SystemExit(f"CLFAST_BUILD_KERNELS must be 'all' or 'host', got {which!r}")
     try:
         import torch
         from torch.utils.cpp_extension import CppExtension
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from clfast import cpu_kernels
+        from clfast.machine import CPU_LEVELS, host_isa
     except ImportError as e:
-        _say(f"WARNING: not building the C++ CPU kernels now ({e}): install with `pip install --no-build-isolation`, "
-             "or they build at the first fused call (or run `clfast build`)")
-        return [], {}
+        raise SystemExit(f"CLFAST_BUILD_KERNELS={which} needs torch where the wheel builds ({e}): build with "
+                         "`pip wheel --no-build-isolation .` in an environment that has the torch the wheel is for")
     why = cpu_kernels.missing_compiler()   # (ninja is not needed here: without it the build is serial)
-    if why:
-        _say(f"WARNING: not building the C++ CPU kernels: {why}. clfast works without them: fused layers run as their "
-             "stock modules until they can be built (`clfast build`)")
-        return [], {}
+    if why: raise SystemExit(f"CLFAST_BUILD_KERNELS={which}: cannot build the C++ CPU kernels: {why}")
     sources = [os.path.relpath(str(s)) for s in cpu_kernels.SOURCES]
-    # a library's name says what it was built from (level, torch, sources and flags): a stale one is never loaded
     # -g0: Python's own flags add -g, a 10x larger library (40 MB a level) and a slower build
     exts = [CppExtension(f'clfast.{cpu_kernels.installed_name(level)}', sources,
                          extra_compile_args=cpu_kernels.build_flags(level) + ['-g0'], extra_link_args=['-fopenmp'])
-            for level in cpu_kernels.install_levels()]
+            for level in (CPU_LEVELS if which == 'all' else [host_isa()])]
     return exts, {'build_ext': _build_kernels(cpu_kernels)}
 
 def _build_kernels(cpu_kernels):
     from torch.utils.cpp_extension import BuildExtension
     class BuildKernels(BuildExtension):
-        "Each level in its own build directory, timed; a failure warns and the install goes on"
+        "Each level in its own build directory, timed"
         def build_extension(self, ext):
             level, base, t = ext.name.split('_kernels_')[1].split('_')[0], self.build_temp, time.time()
             self.build_temp = os.path.join(base, level)   # the levels compile the same sources with other flags
             _say(f"building the C++ CPU kernels at level {level} ...")
             try: super().build_extension(ext)
-            except Exception as e:
-                _say(f"WARNING: the C++ CPU kernels did not build at level {level} ({e}); they build at first use")
-                return
             finally: self.build_temp = base
             _say(f"built the C++ CPU kernels at level {level} in {time.time() - t:.0f} s")
     return BuildKernels

@@ -16,7 +16,7 @@ COMMANDS = {  # subcommand -> (module with `main(options)`, what it does); the o
     'audit-models': ('clfast.audit_models', "audit torchvision and timm models for channel thrashing"),
     'bench': ('clfast.finder', "measure a timm/torchvision model in every format, precision and fuse mode (format finder)"),
     'check': ('clfast.check', "check each conv geometry of a model in channels-last against fp64 on this machine"),
-    'build': ('clfast.cpu_kernels', "build the C++ CPU kernels for every instruction-set level of this CPU (e.g. after upgrading torch)"),
+    'build': ('clfast.cpu_kernels', "build the C++ CPU kernels for this torch ahead of their first use"),
 }
 
 # %% ../nbs/90_cli.ipynb #53e692c7
@@ -98,11 +98,12 @@ def check_parser() -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     "Options of `clfast build`"
-    p = _parser('clfast build', "Build clfast's C++ CPU kernels into torch's extension cache for every instruction-set "
-                "level this CPU runs, each in a process of its own, and say what was built for which torch. The install "
-                "builds them too; this is for after upgrading torch, or where the install had no compiler.")
+    p = _parser('clfast build', "Build clfast's C++ CPU kernels for this torch into torch's extension cache, each level "
+                "in a process of its own, and say how long each took. Optional: the kernels build on first use too "
+                "(once per machine and torch, said when it happens); this builds them ahead, e.g. in a Docker image.")
     p.add_argument('--levels', nargs='+', default=None,
-                   help="only these of clfast's levels: generic, avx2, avx512 (default: every level this CPU runs)")
+                   help="generic, avx2, avx512, or all: every level this CPU runs, the lower ones for CLFAST_MAX_CPU_ISA "
+                        "and the ISA test matrix (default: this CPU's own)")
     return p
 
 PARSERS = {'demo': demo_parser, 'audit-models': audit_models_parser, 'bench': bench_parser, 'check': check_parser,

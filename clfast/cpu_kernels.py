@@ -12,8 +12,8 @@ from .machine import CPU_LEVELS, LEVEL_FLAGS, ISA_CAP_ENV, clfast_isa, host_isa,
 
 # %% auto #0
 __all__ = ['CSRC', 'SOURCES', 'PACKAGE', 'GEMM_BACKWARD', 'BACKWARD_WAYS', 'missing_compiler', 'missing_toolchain', 'build_flags',
-           'ext_name', 'library_path', 'is_built', 'install_levels', 'installed_name', 'installed_library', 'build',
-           'main', 'load', 'set_gemm_backward', 'gemm_backward_choices']
+           'ext_name', 'library_path', 'is_built', 'levels_here', 'installed_name', 'installed_library', 'build',
+           'built_levels', 'main', 'load', 'set_gemm_backward', 'gemm_backward_choices']
 
 # %% ../nbs/22_cpu_kernels.ipynb #a8ca19e4
 CSRC = Path(clfast.__file__).parent/'csrc'
@@ -100,52 +100,56 @@ def _say(msg:str): print(f"clfast: {msg}", file=sys.stderr, flush=True)
 # %% ../nbs/22_cpu_kernels.ipynb #ba3a4e1e
 PACKAGE = Path(clfast.__file__).parent
 
-def install_levels() -> list[str]:
-    "The levels an install builds: every one of `CPU_LEVELS` this CPU runs (the lower ones for `CLFAST_MAX_CPU_ISA`)"
+def levels_here() -> list[str]:
+    "Every one of `CPU_LEVELS` this CPU runs, lowest first (the lower ones for `CLFAST_MAX_CPU_ISA` and the ISA test matrix)"
     return list(CPU_LEVELS[:CPU_LEVELS.index(host_isa()) + 1])
 
 def _torch_tag(version:str) -> str: return re.sub(r'\W', '_', version)
 
 def installed_name(level:str) -> str:
-    "The module name of `level`'s library as the install builds it: the level, torch's version, a hash of the sources and flags"
+    "The module name of `level`'s library as a wheel builds it into the package: the level, torch's version, a hash of the sources and flags"
     return f"_kernels_{level}_torch{_torch_tag(torch.__version__)}_{_digest(level, paths=False)}"
 
 def installed_library(level:str|None=None) -> tuple[Path|None, str]:
-    "`(path, '')` of the library the install built for `level` (default: `clfast_isa()`), or `(None, why none can be used)`"
+    "`(path, '')` of the package's library for `level` (default: `clfast_isa()`; a wheel built with CLFAST_BUILD_KERNELS), or `(None, why none can be used)`"
     level = clfast_isa() if level is None else level
     if libs := sorted(PACKAGE.glob(f'{installed_name(level)}.*so')): return libs[0], ''
     others = [p.name for p in PACKAGE.glob(f'_kernels_{level}_torch*so')]
-    if not others: return None, "none was built at install"
+    if not others: return None, "none was built into the package"
     if not any(f"_torch{_torch_tag(torch.__version__)}_" in n for n in others):
         built = others[0].split('_torch')[1].rsplit('_', 1)[0]
-        return None, f"the installed one was built for another torch ({built}), this is torch {torch.__version__}"
-    return None, "the installed one was built from other sources or flags"
+        return None, f"the package's was built for another torch ({built}), this is torch {torch.__version__}"
+    return None, "the package's was built from other sources or flags"
 
 def build(levels:list[str]|None=None) -> dict:
-    """Build the library of each of `levels` (default: `install_levels()`) into the cache now, each in a process of its
-    own (a process loads one level); `{level: seconds}`. Raises RuntimeError, with the compiler's output, on a failure"""
-    levels = install_levels() if levels is None else list(levels)
-    bad = [l for l in levels if l not in install_levels()]
-    if bad: raise ValueError(f"this CPU runs levels {', '.join(install_levels())}, not {', '.join(bad)}")
+    """Build the library of each of `levels` (default: this CPU's own, `clfast_isa()`; 'all': `levels_here()`) into the
+    cache now, each in a process of its own (a process loads one level); `{level: seconds}`. Raises RuntimeError, with
+    the compiler's output, on a failure"""
+    levels = [clfast_isa()] if levels is None else levels_here() if list(levels) == ['all'] else list(levels)
+    bad = [l for l in levels if l not in levels_here()]
+    if bad: raise ValueError(f"this CPU runs levels {', '.join(levels_here())}, not {', '.join(bad)}")
     why = missing_toolchain()
     if why: raise RuntimeError(f"cannot build the C++ CPU kernels: {why}")
     took = {}
     for level in levels:
         t = time.perf_counter()
-        p = subprocess.run([sys.executable, '-c', f"from clfast import cpu_kernels as c; c._build({level!r}, False)"],
+        # sealed as `load` seals what it builds: else the next load takes it for a killed build's and builds it again
+        p = subprocess.run([sys.executable, '-c', f"from clfast import cpu_kernels as c; c._build({level!r}, False); c._seal({level!r})"],
                            env={**os.environ, ISA_CAP_ENV: level}, capture_output=True, text=True)
         if p.returncode: raise RuntimeError(f"the C++ CPU kernels did not build at level {level}:\n{p.stderr[-4000:]}")
         took[level] = time.perf_counter() - t
     return took
 
+def built_levels() -> dict[str, str]:
+    "`{level: where its library for this torch and these sources is}` for each of `levels_here()`: 'package', 'cache' or ''"
+    return {l: 'package' if installed_library(l)[0] else 'cache' if is_built(l) and _sealed(l) else '' for l in levels_here()}
+
 def main(options) -> int:
-    "`clfast build`: build the kernels of every level this CPU runs into the cache, saying what and for which torch"
-    took = build(options.levels)
+    "`clfast build`: build the kernels of this CPU's level (or of `--levels`) into the cache, saying what and for which torch"
     from torch.utils.cpp_extension import get_default_build_root
-    print(f"clfast: C++ CPU kernels for torch {torch.__version__}, in {get_default_build_root()}:")
-    for level, t in took.items():
-        installed = installed_library(level)[0]
-        print(f"  {level:<8} {t:5.0f} s" + (f"   (the install's {installed.name} is current too)" if installed else ''))
+    print(f"clfast: building the C++ CPU kernels for torch {torch.__version__} into {get_default_build_root()} ...", flush=True)
+    took = build(options.levels)
+    for level, t in took.items(): print(f"  {level:<8} {t:5.0f} s", flush=True)
     return 0
 
 def load(verbose:bool=False) -> Path|None:

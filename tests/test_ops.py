@@ -349,25 +349,41 @@ def test_gradcheck_fp64_cuda():
         test_gradcheck_fp64('silu', True, True, 'kernel', 'cuda')
 
 def test_installed_library_only_when_current(tmp_path, monkeypatch):
-    "The install's library of a level loads only when its name says: this level, this torch, these sources and flags"
+    "The package's library of a level (a wheel's) loads only when its name says: this level, this torch, these sources and flags"
     monkeypatch.setattr(cpu_kernels, 'PACKAGE', tmp_path)
-    assert cpu_kernels.installed_library('generic') == (None, "none was built at install")
+    assert cpu_kernels.installed_library('generic') == (None, "none was built into the package")
     current = cpu_kernels.installed_name('generic')
     (tmp_path/(current.replace('_torch', '_torch0_1_') + '.cpython-311-x86_64-linux-gnu.so')).touch()
     lib, why = cpu_kernels.installed_library('generic')
     assert lib is None and 'another torch (0_1_' in why and torch.__version__ in why, why
     (tmp_path/(current[:-4] + 'beef.cpython-311-x86_64-linux-gnu.so')).touch()
-    assert cpu_kernels.installed_library('generic') == (None, "the installed one was built from other sources or flags")
+    assert cpu_kernels.installed_library('generic') == (None, "the package's was built from other sources or flags")
     (tmp_path/(current + '.cpython-311-x86_64-linux-gnu.so')).touch()
     assert cpu_kernels.installed_library('generic')[0].name.startswith(current + '.')
     assert cpu_kernels.installed_library('avx2')[0] is None   # another level's never stands in
 
-def test_install_without_compiler_goes_on(tmp_path):
-    "setup.py without a C++ compiler: no kernels, a warning naming what to install, and the setup itself succeeds"
+def test_setup_builds_no_kernels_unless_asked(tmp_path):
+    """setup.py needs neither torch nor a compiler (the kernels build on first use); a wheel asked to build them in
+    (CLFAST_BUILD_KERNELS) where it cannot stops with why, never a wheel silently without them"""
     p = subprocess.run([sys.executable, 'setup.py', '--version'], cwd=ROOT, capture_output=True, text=True,
                        env=_env(CXX=str(tmp_path/'no-such-c++')))
-    assert p.returncode == 0 and p.stdout.strip(), p.stderr
-    assert 'not building the C++ CPU kernels: no C++ compiler' in p.stderr and 'install g++' in p.stderr, p.stderr
+    assert p.returncode == 0 and p.stdout.strip() and 'clfast' not in p.stderr, p.stderr
+    for which, says in [('all', 'no C++ compiler'), ('every', "must be 'all' or 'host'")]:
+        p = subprocess.run([sys.executable, 'setup.py', '--version'], cwd=ROOT, capture_output=True, text=True,
+                           env=_env(CXX=str(tmp_path/'no-such-c++'), CLFAST_BUILD_KERNELS=which))
+        assert p.returncode != 0 and says in p.stderr, p.stderr
+
+def test_clfast_build_seals_what_it_builds():
+    "A library `clfast build` built loads without a rebuild (it is sealed as first use seals), and `built_levels` lists it"
+    if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
+    level = cpu_kernels.clfast_isa()
+    if cpu_kernels.installed_library(level)[0]: pytest.skip("this install's package holds the library: nothing to build")
+    ops.kernels_ready()   # built (once) and loaded
+    seal = cpu_kernels._cached_library(level).with_suffix('.sha1')
+    seal.unlink()
+    assert not cpu_kernels._sealed(level) and cpu_kernels.built_levels()[level] == ''
+    cpu_kernels.build([level])   # already built: a no-op build, then its seal
+    assert cpu_kernels._sealed(level) and cpu_kernels.built_levels()[level] == 'cache'
 
 def test_build_refuses_levels_above_this_cpu():
     with pytest.raises(ValueError, match='this CPU runs levels'): cpu_kernels.build(['avx1024'])

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # clfast's test command: installs what the tests need into .venv, checks that notebooks, library and README are in
-# sync (nbdev_export / nbdev_clean / tools/readme.py change nothing), runs the numerics tests at each instruction-set
-# level below this CPU's (tools/isa_matrix.py; CLFAST_ISA_MATRIX=0 skips it), then the whole pytest suite at this
-# CPU's own level.
+# sync (nbdev_export / nbdev_clean / tools/readme.py change nothing), builds the C++ kernels for every level this CPU
+# runs, runs the smoke run at the lowest torch settings.ini admits (tools/smoke_torch.sh; CLFAST_SMOKE=0 skips it) and
+# the numerics tests at each instruction-set level below this CPU's (tools/isa_matrix.py; CLFAST_ISA_MATRIX=0 skips
+# it), then the whole pytest suite at this CPU's own level.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,8 +11,7 @@ PY=${PYTHON:-python3}
 pip_install() { local venv=$1; shift; "$venv/bin/python" -m pip install -q "$@" >"$venv/pip.log" 2>&1 || { cat "$venv/pip.log"; exit 1; }; }
 [ -x .venv/bin/python ] || $PY -m venv .venv
 pip_install .venv torch==2.14.1 torchvision==0.29.1
-# --no-build-isolation: setup.py builds the C++ kernels against the torch just installed (pip's isolated build has none)
-pip_install .venv --no-build-isolation -e ".[dev]"
+pip_install .venv -e ".[dev]"
 # nbdev v2 (settings.ini) needs fastcore 1.x while fastai needs fastcore 2, so the nbdev tools live in their own venv
 [ -x .venv-nbdev/bin/python ] || $PY -m venv .venv-nbdev
 pip_install .venv-nbdev -r tools/nbdev-tools.txt
@@ -29,7 +29,14 @@ if [ "$before" != "$after" ]; then
   exit 1
 fi
 echo "nbdev sync: notebooks, clfast/ and README.md are in sync"
-# before the suite, whose summary line must end the output; a failing level stops here, after all levels ran
+# clfast's C++ kernels for every level this CPU runs: its own for the suite, the lower ones for the ISA matrix
+.venv/bin/clfast build --levels all
+# before the suite, whose summary line must end the output: the lowest admitted torch, then the levels below this CPU's
+case "${CLFAST_SMOKE:-1}" in
+  1) bash tools/smoke_torch.sh ;;
+  0) ;;
+  *) echo "CLFAST_SMOKE=$CLFAST_SMOKE: use 1 (the default: the smoke run at the lowest admitted torch) or 0 (skip it)"; exit 1 ;;
+esac
 case "${CLFAST_ISA_MATRIX:-1}" in
   1) .venv/bin/python tools/isa_matrix.py ;;
   0) ;;

@@ -80,7 +80,7 @@ def test_precise_bn_semantics_equal_fp64(n, c, h, w, affine, track, momentum, tr
 def test_premise_measured_and_guard_follows_it(tmp_path, monkeypatch):
     "guard_model makes BNs precise exactly where this machine's stock channels-last BN measured imprecise; cached per machine"
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    guard._PREMISES_HERE.clear()
+    monkeypatch.setattr(guard, '_PREMISES_HERE', {})   # measured afresh here; this process's answers back after the test
     here = imprecise_cl_batch_norm()
     assert here == (_bn_errors(CL) > 3 * _bn_errors(torch.contiguous_format))
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8))
@@ -93,7 +93,6 @@ def test_premise_measured_and_guard_follows_it(tmp_path, monkeypatch):
         assert type(net[2]) is (PreciseBatchNorm2d if held else nn.BatchNorm2d)
     unguard_model(net)
     assert type(net[2]) is nn.BatchNorm2d
-    guard._PREMISES_HERE.clear()
 
 def test_precise_bn_pickles_as_stock_and_falls_back():
     "Pickles as BatchNorm2d / SyncBatchNorm; nchw, fp64 and inference calls run the stock forward"

@@ -323,19 +323,26 @@ def test_gradient_in_another_layout(path, mode):
 
 @pytest.mark.parametrize('path', PATHS)
 def test_bf16_module(path):
-    "A model converted to bfloat16 (BN parameters and running stats in bf16 too) matches the stock bf16 modules"
+    """A model converted to bfloat16 (BN parameters and running stats in bf16 too): output, running statistics and
+    gradients within one bf16 ulp (at each result's scale) of the same step in fp64 from the same bf16 values. The
+    kernels accumulate in fp32, so what is left is bf16's rounding of the conv output and of each result: about half
+    an ulp here. (Stock bf16's is up to 0.28: its backward reductions run in bf16)"""
     f, conv, bn = pair(4, 8, dtype=torch.bfloat16)
+    conv64, bn64 = conv.double(), bn.double()   # the stock modules, holding the same bf16 values, in fp64
     x = torch.randn(3, 4, 6, 6, dtype=torch.bfloat16)
+    x16, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
     with cpu_path(path):
-        xs = [x.clone().requires_grad_() for _ in range(2)]
-        of, os_ = f(xs[0]), stock(conv, bn, xs[1])
-        of.float().sum().backward(); os_.float().sum().backward()
-    tol = dict(rtol=5e-2, atol=5e-2)
-    torch.testing.assert_close(of, os_, **tol)
+        out16 = f(x16)
+        out16.double().sum().backward()
+    out64 = stock(conv64, bn64, x64)
+    out64.sum().backward()
     assert f.bn.running_var.dtype == f.bn.weight.grad.dtype == torch.bfloat16
-    torch.testing.assert_close(f.bn.running_mean, bn.running_mean, **tol)
-    torch.testing.assert_close(f.bn.running_var, bn.running_var, **tol)
-    torch.testing.assert_close(f.bn.weight.grad, bn.weight.grad, rtol=5e-2, atol=0.5)
+    def results(o, x, c, b): return dict(out=o, dx=x.grad, dweight=c.weight.grad, bn_dweight=b.weight.grad,
+                                         bn_dbias=b.bias.grad, running_mean=b.running_mean, running_var=b.running_var)
+    fused, want = results(out16, x16, f, f.bn), results(out64, x64, conv64, bn64)
+    for k, w in want.items():
+        err = ((fused[k].double() - w).abs().max() / w.abs().max()).item()
+        assert err <= torch.finfo(torch.bfloat16).eps, (k, err)
 
 def test_inference_mode():
     f, conv, bn = pair(3, 4)

@@ -52,15 +52,15 @@ print('WORST', worst)
 '''
 
 @needs_avx2
-def test_avx2_kernel_is_wrong_without_the_guard_and_fp64_equal_with_it():
-    "With oneDNN capped at AVX2 (any x86 CI machine) the stock kernel is wrong or crashes; through the guard it equals fp64"
+def test_avx2_kernel_is_routed_by_the_table_and_equals_fp64():
+    """With oneDNN capped at AVX2 (any x86 CI machine), where `KNOWN_BAD_KERNELS` names its channels-last 1x1 stride-2
+    weight gradient (oneDNN 6035: the kernel overruns its workspace), the guard routes such a conv and its gradient
+    equals fp64. Nothing is asserted of the stock kernel's result: it reads memory it does not own (undefined
+    behaviour; one process once got every seed right), so only clfast's result, given the table, is tested"""
     env = {'ONEDNN_MAX_CPU_ISA': 'AVX2'}
-    # the kernel overruns its workspace, so what it returns depends on memory it does not own: once (2026-11-23) a
-    # process got all eight seeds right. Wrong or crashed in one of three processes is the premise
-    for _ in range(3):
-        stock = run_child(WGRAD_VS_FP64.replace('sys.argv[1]', "'stock'"), env)
-        if stock.returncode != 0 or float(stock.stdout.split('WORST')[1]) > 1e-2: break
-    else: raise AssertionError(f"the stock kernel was right in three processes: {stock.stdout}{stock.stderr}")
+    table = run_child("import torch.nn as nn; from clfast.guard import bad_kernels_for\n"
+                      "print('ROUTED', bool(bad_kernels_for(nn.Conv2d(3, 4, 1, stride=2))))", env)
+    assert 'ROUTED True' in table.stdout, table.stdout + table.stderr
     ok = run_child(WGRAD_VS_FP64.replace('sys.argv[1]', "'guarded'"), env)
     assert ok.returncode == 0, ok.stderr
     assert float(ok.stdout.split('WORST')[1]) < 1e-5
@@ -188,7 +188,7 @@ def test_short_input_premise_is_measured_and_the_route_follows_it(tmp_path, monk
     "The route's premise is measured here (stock channels-last against the weight gradient in nchw, paired), cached per "
     "machine; a 3x3 conv that may meet a 2-row input is routed exactly where it held"
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    guard._PREMISES_HERE.clear()
+    monkeypatch.setattr(guard, '_PREMISES_HERE', {})   # measured afresh here; this process's answers back after the test
     here = SHORT_INPUT_WGRAD.present()
     assert guard.MachineCache(guard.PREMISE_CACHE).get(SHORT_INPUT_WGRAD.name) == here
     conv = nn.Conv2d(512, 512, 3, padding=1, bias=False)
@@ -198,7 +198,6 @@ def test_short_input_premise_is_measured_and_the_route_follows_it(tmp_path, monk
         guard._PREMISES_HERE.update({k.name: False for k in (SLOW_BF16_BACKWARD, guard.SLOW_FP16_BACKWARD)})   # this route alone
         m = copy.deepcopy(conv).to(memory_format=CL); guard_model(m)
         assert (type(m) is GuardedConv2d) == held and (short_input_plan(m, x, m.weight) is not None) == held
-    guard._PREMISES_HERE.clear()
 
 def _saved_mib(model, x) -> float:
     total = 0

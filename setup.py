@@ -74,6 +74,19 @@ def _build_kernels(cpu_kernels):
             _say(f"built the C++ CPU kernels at level {level} in {time.time() - t:.0f} s")
     return BuildKernels
 
+def check_wheel_tools():
+    """pip without build isolation builds with this environment's setuptools; making a wheel (an install, editable or
+    not) needs setuptools>=70.1 or the `wheel` package, which a new venv's setuptools (65 on Python 3.11) lacks"""
+    if not {'dist_info', 'bdist_wheel', 'editable_wheel'} & set(sys.argv): return
+    try: import setuptools.command.bdist_wheel   # noqa: F401  (setuptools>=70.1)
+    except ImportError:
+        try: import wheel   # noqa: F401
+        except ImportError:
+            raise SystemExit("clfast: this environment's setuptools cannot build a wheel (no `wheel` package, setuptools "
+                             "older than 70.1), which pip needs with --no-build-isolation: run `pip install -U setuptools "
+                             "wheel` first, or install without --no-build-isolation (clfast's build needs no torch)")
+
+check_wheel_tools()
 ext_modules, cmdclass = kernel_extensions()
 
 setup(

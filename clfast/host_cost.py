@@ -163,3 +163,6 @@ def main(argv=None):
     "`python -m clfast.host_cost`: print the table of launches and host time per layer step"
     argparse.ArgumentParser(prog='python -m clfast.host_cost', description=__doc__).parse_args(argv)
     print(host_cost_table())
+
+# %% ../nbs/28_host_cost.ipynb #e5c0a012
+if __name__ == '__main__': main()

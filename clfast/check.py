@@ -13,6 +13,7 @@ from fastcore.basics import patch
 from fastai.learner import Learner
 from .core import ClfastWarning
 from .machine import MachineCache, machine_key, clfast_isa
+from . import cpu_kernels
 from .guard import CHECK_CACHE, _conv_params, guard_model
 
 # %% auto #0
@@ -250,7 +251,6 @@ def main(a:argparse.Namespace):
     bad = int((table.status != 'ok').sum())
     print(f"\n{a.arch} at {a.size}px, {a.precision}: {len(table)} conv geometries, {bad} failing, "
           f"{int(table.cached.sum())} from the cache ({MachineCache(CHECK_CACHE).path}); {time.perf_counter() - t0:.1f} s")
-    from clfast import cpu_kernels
     built = ', '.join(f"{l} ({where or 'not built'})" for l, where in cpu_kernels.built_levels().items())
     print(f"clfast's C++ CPU kernels for torch {torch.__version__}: {built}; this process runs {clfast_isa()}")
     for x in w: print(f"\n{x.message}")

@@ -1,5 +1,5 @@
 "The `clfast` command: options parsed before torch loads, defaults shown, any torchvision/timm arch trains with progress."
-import subprocess, sys, pytest
+import os, subprocess, sys, pytest
 from clfast.cli import main, demo_parser
 from clfast.demo import main as demo_main
 
@@ -42,3 +42,14 @@ def test_demo_any_arch(capsys):
 def test_unknown_arch():
     with pytest.raises(ValueError, match="Unknown arch 'resnet_nope'.*torchvision model name"):
         demo_main(demo_parser().parse_args(['--arch', 'resnet_nope', '--epochs', '1', '--items', '40', '--device', 'cpu']))
+
+def test_check_says_which_kernel_levels_are_built(tmp_path):
+    "`clfast check` ends with the C++ kernels' levels built for this torch, and where (package or cache)"
+    r = subprocess.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))',
+                        'check', '--arch', 'resnet18', '--size', '32'],
+                       capture_output=True, text=True, env={**os.environ, 'CLFAST_CACHE_DIR': str(tmp_path)})
+    import torch
+    from clfast.cpu_kernels import built_levels
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = ', '.join(f"{l} ({w or 'not built'})" for l, w in built_levels().items())
+    assert f"clfast's C++ CPU kernels for torch {torch.__version__}: {want}" in r.stdout, r.stdout[-2000:]

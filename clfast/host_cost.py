@@ -165,4 +165,5 @@ def main(argv=None):
     print(host_cost_table())
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a012
+#| eval: false
 if __name__ == '__main__': main()

@@ -4,7 +4,7 @@
 
 # %% ../nbs/23_fused.ipynb #19ec5d01
 from __future__ import annotations
-import copy, copyreg, functools, statistics, time, warnings
+import copy, functools, statistics, time, warnings
 import torch, torch.distributed as dist, torch.nn.functional as F
 from torch import nn, Tensor
 from .act import ACTS, get_act, act_of
@@ -162,12 +162,6 @@ def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
     return 'stock' if clear and wins >= TIMED_ROUNDS - 1 else 'fused'
 
 # %% ../nbs/23_fused.ipynb #3bba664d
-def _rebuild_as(cls, state:dict) -> nn.Module:
-    "Used by pickle (via `copyreg._reconstructor`) to load a fused module as its stock class"
-    m = copyreg._reconstructor(cls, object, None)
-    m.__setstate__(state)
-    return m
-
 class _FusedMixin(AsStock):
     "What every module clfast fuses is: pickles as its stock class (no clfast needed to load it), deep-copies as itself"
     _own_attrs = ('surgical',)

@@ -72,9 +72,6 @@ class GuardPlan(NamedTuple):
     backward_only: bool
     why: str
 
-def _channels_last(t:Tensor) -> bool:
-    return t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
-
 def guard_acts(plan, x:Tensor, weight:Tensor) -> bool:
     "Whether `plan` changes this call: a CPU conv, and a weight gradient to compute unless the bad kernel is forward too"
     if plan is None or x.device.type != 'cpu': return False

@@ -52,7 +52,10 @@ def cudnn_layouts():
     """The Triton path's convs on `meta` tensors return what cuDNN's return on CUDA: channels-last outputs and gradients
     for channels-last inputs (the meta kernels' are contiguous, so the path's layout checks would copy where CUDA's do not)"""
     aten, real = torch.ops.aten, (torch.ops.aten.convolution, torch.ops.aten.convolution_backward)
-    cl = lambda t, like: t if t is None or t.numel() == 0 or t.dim() != 4 else torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=torch.channels_last if like.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format)
+    def cl(t, like):   # a fresh `meta` tensor (no copy: nothing is counted) in `like`'s layout
+        if t is None or t.dim() != 4: return t
+        fmt = torch.channels_last if like.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt)
     def conv(x, w, *args): return cl(real[0](x, w, *args), x)
     def conv_bwd(dy, x, w, *args):
         dx, dw, db = real[1](dy, x, w, *args)

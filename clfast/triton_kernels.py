@@ -257,14 +257,19 @@ _TILE, _REDUCE_TILE, _STATS_UNROLL, _BWD_UNROLL = 4096, 2048, 4, 2
 # and its residual spilled at 4 on sm_80), 4 keep more bytes in flight for the other two
 _WARPS = dict(stats=4, fwd=8, bwd=8, dx=4)
 
+# host arithmetic in plain Python: `triton.cdiv` and `triton.next_power_of_2` are ConstexprFunctions, ~1.5 us a call
+# from host code, and a layer step's launch code made 26 such calls (~40 us of its host time)
+def _cdiv(a:int, b:int) -> int: return -(-a // b)
+def _pow2(n:int) -> int: return 1 << max(n - 1, 0).bit_length()
+
 def _blocks(c:int):
     "Tile sizes `(BLOCK_M, BLOCK_C)` for `c` channels: `_TILE` elements"
-    bc = max(16, min(64, triton.next_power_of_2(c)))
+    bc = max(16, min(64, _pow2(c)))
     return _TILE // bc, bc
 
 def _reduce_blocks(c:int):
     "`(BLOCK_M, BLOCK_C)` of the reductions' tiles for `c` channels: `_REDUCE_TILE` elements"
-    bc = max(16, min(64, triton.next_power_of_2(c)))
+    bc = max(16, min(64, _pow2(c)))
     return _REDUCE_TILE // bc, bc
 
 def _align(c:int) -> int:
@@ -273,10 +278,10 @@ def _align(c:int) -> int:
 
 def _slabs(m:int, c:int, bm:int, bc:int, target:int=1024):
     "Rows per reduction program (a multiple of `bm`) and the number of programs `P`"
-    n_c = triton.cdiv(c, bc)
-    p = max(1, min(triton.cdiv(target, n_c), triton.cdiv(m, bm)))
-    rows_per = triton.cdiv(triton.cdiv(m, p), bm) * bm
-    return rows_per, triton.cdiv(m, rows_per)
+    n_c = _cdiv(c, bc)
+    p = max(1, min(_cdiv(target, n_c), _cdiv(m, bm)))
+    rows_per = _cdiv(_cdiv(m, p), bm) * bm
+    return rows_per, _cdiv(m, rows_per)
 
 def _acc(x:Tensor): return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -308,9 +313,9 @@ def stats(x:Tensor, mean:Tensor|None=None, var:Tensor|None=None) -> tuple[Tensor
     if mean is None: mean = torch.empty_like(shift)
     if var is None: var = torch.empty_like(shift)
     with _on(x):
-        _launch(_stats_partial, (p, triton.cdiv(c, bc)), x, shift, ps, pq, m, c // _align(c), rows_per,
+        _launch(_stats_partial, (p, _cdiv(c, bc)), x, shift, ps, pq, m, c // _align(c), rows_per,
                 BLOCK_M=bm, BLOCK_C=bc, UNROLL=un, C_ALIGN=_align(c), num_warps=_WARPS['stats'])
-        _launch(_stats_final, (triton.cdiv(c, bc),), ps, pq, shift, mean, var, p, m, c, BLOCK_C=bc)
+        _launch(_stats_final, (_cdiv(c, bc),), ps, pq, shift, mean, var, p, m, c, BLOCK_C=bc)
     return mean, var
 
 # %% ../nbs/20_triton_kernels.ipynb #b9784ed9
@@ -322,7 +327,7 @@ def fwd(x:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int, act_para
     bm, bc = _blocks(c)
     k = _consts(float(act_param), 0., scale.dtype, x.device)
     with _on(x):
-        _launch(_fwd, (triton.cdiv(m, bm), triton.cdiv(c, bc)), x, scale, shift, x if res is None else res, k, out, m,
+        _launch(_fwd, (_cdiv(m, bm), _cdiv(c, bc)), x, scale, shift, x if res is None else res, k, out, m,
                 c // _align(c), HAS_RES=res is not None, ACT=int(act), BLOCK_M=bm, BLOCK_C=bc, C_ALIGN=_align(c),
                 num_warps=_WARPS['fwd'])
     return out
@@ -351,16 +356,16 @@ def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift
     if want_dres and dres is None: dres = torch.empty_like(g)
     with _on(g):
         if grad_means is None or want_sums:
-            _launch(_bwd_partial, (p, triton.cdiv(c, bc)), g, xx, mean, scale, shift, r, o, k, ps, pq, m,
+            _launch(_bwd_partial, (p, _cdiv(c, bc)), g, xx, mean, scale, shift, r, o, k, ps, pq, m,
                     c // _align(c), rows_per, HAS_Y=has_y, HAS_RES=has_res, ACT=act, FROM_OUT=from_out,
                     BLOCK_M=rbm, BLOCK_C=bc, UNROLL=un, C_ALIGN=_align(c), num_warps=_WARPS['bwd'])
-            _launch(_bwd_final, (triton.cdiv(c, bc),), ps, pq, invstd, scale, sdz, sdx, b, d, p, m, c,
+            _launch(_bwd_final, (_cdiv(c, bc),), ps, pq, invstd, scale, sdz, sdx, b, d, p, m, c,
                     TRAINING=training, BLOCK_C=bc)
         if grad_means is not None and training:   # pass 2's coefficients from the given means (as _bwd_final's)
             b, d = -scale * invstd * grad_means[1], -scale * grad_means[0]
         if want_dy or want_dres:
             y_in_dx = training or (act != 0 and not from_out)
-            _launch(_bwd_dx, (triton.cdiv(m, bm), triton.cdiv(c, bc)), g, xx, mean, scale, shift, b, d, r, o, k,
+            _launch(_bwd_dx, (_cdiv(m, bm), _cdiv(c, bc)), g, xx, mean, scale, shift, b, d, r, o, k,
                     dy if want_dy else g, dres if want_dres else g, m, c // _align(c),
                     HAS_Y=y_in_dx, HAS_RES=has_res, ACT=act, FROM_OUT=from_out, TRAINING=training, WANT_DY=want_dy,
                     WANT_DRES=want_dres, BLOCK_M=bm, BLOCK_C=bc, C_ALIGN=_align(c), num_warps=_WARPS['dx'])
@@ -406,7 +411,7 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
     k = _consts(float(act_param), float(eps), acc, y.device)
     bc = _blocks(c)[1]
     with _on(y):
-        _launch(_params, (triton.cdiv(c, bc),), mean, var, prm if bn_weight is None else bn_weight.contiguous(),
+        _launch(_params, (_cdiv(c, bc),), mean, var, prm if bn_weight is None else bn_weight.contiguous(),
                 prm if bn_bias is None else bn_bias.contiguous(), k, prm, c,
                 HAS_W=bn_weight is not None, HAS_B=bn_bias is not None, BLOCK_C=bc)
     out, orows = _empty_cl(y.shape, x.dtype, y.device)

@@ -5,6 +5,7 @@
 # %% ../nbs/26_exchange.ipynb #a8f5890a
 from __future__ import annotations
 import os, platform, secrets, tempfile, time
+from pathlib import Path
 from datetime import timedelta
 import torch, torch.distributed as dist
 from torch import Tensor
@@ -26,10 +27,13 @@ def group_timeout(pg:dist.ProcessGroup) -> timedelta:
 _yield = getattr(os, 'sched_yield', lambda: time.sleep(0))   # Windows has no sched_yield
 
 def _alive(pid:int) -> bool:
-    try: os.kill(pid, 0)
+    "Whether process `pid` runs: a dead one whose parent has not collected it yet (a zombie) counts as dead"
+    try: os.kill(pid, 0)   # succeeds on a zombie too (a launcher that waits on rank 0 first leaves a dead rank 1 so)
     except ProcessLookupError: return False
     except PermissionError: pass   # another user's process: alive
-    return True
+    try: state = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[0]   # after the name, which may hold spaces
+    except (OSError, IndexError): return True   # no /proc (macOS, Windows): as kill says
+    return state not in ('Z', 'X')   # zombie, or dead
 
 def _shared_dir() -> str:
     return '/dev/shm' if os.path.isdir('/dev/shm') and os.access('/dev/shm', os.W_OK) else tempfile.gettempdir()

@@ -8,7 +8,7 @@ import copy, functools, statistics, time, warnings
 import torch, torch.distributed as dist, torch.nn.functional as F
 from torch import nn, Tensor
 from .act import ACTS, get_act, act_of
-from .ops import fused_conv_bn, kernels_ready, autocast_cast, autocast_dtype, no_autocast
+from .ops import fused_conv_bn, kernels_ready, kernels_served, autocast_cast, autocast_dtype, no_autocast
 from .reference import ConvGeometry
 from .guard import GuardPlan, route, call_plan, guarded_conv, IMPRECISE_CL_BATCH_NORM
 from .machine import MachineCache
@@ -113,7 +113,7 @@ def _layer_key(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
 def _way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, keep_y:bool) -> str:
     "'fused' or 'stock': how this call of the layer runs"
     if _layer_way != 'timed': return _layer_way
-    if (not keep_y or x.device.type not in ('cpu', 'cuda') or sync_group(bn) is not None
+    if (not keep_y or x.device.type not in ('cpu', 'cuda') or sync_group(bn) is not None or kernels_served(x.device)
         or torch.are_deterministic_algorithms_enabled() or _traced(x)): return 'fused'
     grad = torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad)
     key = _layer_key(x, conv, bn, residual, a, act_param, grad)

@@ -15,8 +15,8 @@ from .reference import ConvGeometry, PARAM_ROWS, acc_dtype, ref_layer_fwd, ref_b
 from .syncstats import _group_name, _synced_stats, _synced_grad_means
 
 # %% auto #0
-__all__ = ['REFERENCE', 'register_kernels', 'kernels_from', 'kernels_ready', 'autocast_on', 'no_autocast', 'autocast_dtype',
-           'autocast_cast', 'fused_conv_bn']
+__all__ = ['REFERENCE', 'register_kernels', 'kernels_served', 'kernels_from', 'kernels_ready', 'autocast_on', 'no_autocast',
+           'autocast_dtype', 'autocast_cast', 'fused_conv_bn']
 
 # %% ../nbs/21_ops.ipynb #7dc203a5
 _lib = torch.library.Library('clfast', 'DEF')
@@ -110,13 +110,21 @@ def _(sum_dz, sum_dzx, y, group): return sum_dz.new_empty(2, sum_dz.shape[0])
 _loaded: dict[str, Optional[str]] = {}   # 'cpu' -> None once the C++ library loaded, else why not; 'cuda:i' -> why not, or None
 _OTHER_KERNELS = dict(ref=lambda: REFERENCE, triton=_triton)
 _FORCED: list[torch.library.Library] = []   # CLFAST_KERNELS's registration: the process's
+_SERVED: dict[str, int] = {}   # dispatch key -> how many other kernel sets serve it now (CLFAST_KERNELS, `kernels_from`)
 
 def _serve(name:str, key:str='CPU') -> torch.library.Library:
     "Register the kernel set `name` for dispatch key `key` (over its own, which return when the library is destroyed)"
     if name not in _OTHER_KERNELS: raise ValueError(f"name must be one of {tuple(_OTHER_KERNELS)}, got {name!r}")
     lib = torch.library.Library('clfast', 'IMPL')
     register_kernels(lib, key, _OTHER_KERNELS[name])
+    _SERVED[key] = _SERVED.get(key, 0) + 1
     return lib
+
+def kernels_served(device:str|torch.device) -> bool:
+    """Whether `device`'s kernel ops run another kernel set than its own now (`CLFAST_KERNELS`, `kernels_from`): a way
+    to test a code path, whose timings say nothing of this machine's kernels"""
+    kind = torch.device(device).type
+    return _SERVED.get('Meta' if kind == 'meta' else kind.upper(), 0) > 0
 
 @contextlib.contextmanager
 def kernels_from(name:str, key:str='CPU'):
@@ -125,7 +133,9 @@ def kernels_from(name:str, key:str='CPU'):
     if 'cpu' not in _loaded: _load_kernels()   # first: the C++ library, loaded inside, would register over the block's
     lib = _serve(name, key)
     try: yield
-    finally: lib._destroy()
+    finally:
+        lib._destroy()
+        _SERVED[key] -= 1
 
 def kernels_ready(device:str|torch.device='cpu') -> bool:
     """Whether the fused layer's op can run on `device`; warns once, saying why, where not. On the CPU its kernels are

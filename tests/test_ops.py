@@ -404,3 +404,22 @@ def test_a_cached_library_loads_only_as_built(tmp_path, monkeypatch):
     assert cpu_kernels._sealed('generic')
     lib.write_bytes(lib.read_bytes()[:1000])                 # truncated since
     assert not cpu_kernels._sealed('generic')
+
+def test_another_kernel_set_is_never_timed(tmp_path, monkeypatch):
+    """Under another kernel set (`kernels_from`, `CLFAST_KERNELS`: a way to test a code path) the default per-layer way
+    runs clfast's op and times nothing: a timing of the reference or interpreted kernels would be cached as this
+    machine's choice, and a test of that path would run the stock layer instead"""
+    from clfast import fused
+    from clfast.fused import FusedConvBN2d
+    if not ops.kernels_ready() or ops._loaded['cpu']: pytest.skip(f"no C++ library: {ops._loaded['cpu']}")
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(fused, '_ways', {})
+    before = fused.set_layer_way('timed')
+    try:
+        f, x = FusedConvBN2d(3, 4, 3, padding=1), torch.randn(2, 3, 6, 6).requires_grad_()
+        with ops.kernels_from('ref'):
+            assert ops.kernels_served('cpu')
+            out = f(x)
+        assert out.grad_fn.name() == 'torch::autograd::CppNode<clfast::ConvBnAct>'   # clfast's op, not the stock layer
+        assert fused.layer_ways() == {} and not ops.kernels_served('cpu')
+    finally: fused.set_layer_way(before)

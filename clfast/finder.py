@@ -21,8 +21,8 @@ from .guard import guard_model, unguard_model
 from .check import grad_error
 
 # %% auto #0
-__all__ = ['BASELINE', 'NUMERICS_SLACK', 'Setup', 'fast_dtypes', 'default_setups', 'measure_setups', 'plot_setups', 'best_setup',
-           'apply_setup', 'auto_setup', 'bench_model', 'main']
+__all__ = ['BASELINE', 'NUMERICS_SLACK', 'FP32_FLOOR', 'Setup', 'fast_dtypes', 'default_setups', 'measure_setups', 'plot_setups',
+           'best_setup', 'apply_setup', 'auto_setup', 'bench_model', 'main']
 
 # %% ../nbs/30_finder.ipynb #ca5237ea
 @dataclass(frozen=True)
@@ -151,17 +151,46 @@ def _fp64_grads(model:nn.Module, loss_func, device, xb, yb) -> dict:
     except Exception: return {}   # an op without a float64 kernel: no yardstick, and `best_setup` keeps fp32 setups only
     return {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
 
-def _stock_errors(setups, model, loss_func, make_opt, device, batch, ref:dict) -> dict:
-    """`{dtype: gradient error against fp64}` of the stock setup of each precision among `setups` (contiguous, no
-    fusion: the baseline for fp32, stock autocast for bf16 and fp16), one untimed step each"""
+def _first_grads(setup:Setup, model, loss_func, make_opt, device, batch) -> dict:
+    "Each parameter's gradient of one untimed step of `setup` from `model`'s weights on `batch` (step 0's dropout masks)"
+    grads = {}
+    torch.manual_seed(0)   # the masks of step 0, as every setup's
+    _Trainer(setup, model, loss_func, make_opt, device).step(*batch, timed=False, grads=grads)
+    return grads
+
+def _stock_grads(setups, model, loss_func, make_opt, device, batch) -> dict:
+    """`{dtype: gradients}` of one untimed step of the stock setup of each precision among `setups` (contiguous, no
+    fusion: the baseline for fp32, stock autocast for bf16 and fp16); a precision whose step fails is left out"""
     res = {}
     for dt in {s.dtype for s in setups}:
-        grads = {}
-        torch.manual_seed(0)   # the masks of step 0, as every setup's
-        try: _Trainer(Setup(channels_last=False, dtype=dt), model, loss_func, make_opt, device).step(*batch, timed=False, grads=grads)
+        try: res[dt] = _first_grads(Setup(channels_last=False, dtype=dt), model, loss_func, make_opt, device, batch)
         except Exception: continue
-        res[dt] = grad_error(grads, ref) if ref else math.nan
     return res
+
+def _judge(tr:_Trainer, grads:dict, ref:dict, stock:dict, base:dict, batch:int=0):
+    "Set `tr`'s gradient figures from its first step's `grads` against fp64's (`ref`) and the stock setups' (`stock`)"
+    dt = tr.setup.dtype
+    tr.grad_drift, tr.grad_batch = _grad_drift(grads, base), batch
+    tr.grad_error = grad_error(grads, ref) if ref else math.nan
+    tr.stock_grad_error = grad_error(stock[dt], ref) if ref and dt in stock else math.nan
+
+def _second_opinion(trainers:dict, model, loss_func, make_opt, device, batch):
+    """Judge again, on a second batch from the same weights, each setup whose first step looked less precise than its
+    stock setup; keep the batch where it looked better (`grad_batch` says which). One ReLU input within an ulp of 0
+    that rounds to the other side of it in one layout moves a whole step's gradient, by 6e-4 to 6e-2 of its scale on
+    this project's test learner (issue 37, BENCHMARKS.md session 18): about one batch in 6,000 there, and independent
+    between batches, where a wrong kernel is wrong on every batch"""
+    doubtful = [tr for s, tr in trainers.items() if s != BASELINE and not _precise(tr.grad_error, tr.stock_grad_error, s.dtype)]
+    if not doubtful: return
+    torch.manual_seed(0)
+    ref = _fp64_grads(model, loss_func, device, *batch)
+    stock = _stock_grads([tr.setup for tr in doubtful] + [BASELINE], model, loss_func, make_opt, device, batch)
+    for tr in doubtful:
+        first = (tr.grad_error, tr.stock_grad_error, tr.grad_drift, tr.grad_batch)
+        try: _judge(tr, _first_grads(tr.setup, model, loss_func, make_opt, device, batch), ref, stock, stock.get(None, {}), 1)
+        except Exception: continue
+        if _ratio(*first[:2]) <= _ratio(tr.grad_error, tr.stock_grad_error):
+            tr.grad_error, tr.stock_grad_error, tr.grad_drift, tr.grad_batch = first
 
 def _drift(losses, base) -> float:
     "Largest relative difference between a setup's losses and the baseline's over the measured steps"
@@ -190,16 +219,15 @@ def measure_setups(model:nn.Module, batches:list, loss_func, make_opt, setups:li
     with _RNGStates():
         torch.manual_seed(0)
         ref = _fp64_grads(model, loss_func, device, *warm)   # the first step's exact gradients, the setups' yardstick
-        stock_errors = _stock_errors(setups, model, loss_func, make_opt, device, warm, ref)
+        stock = _stock_grads(setups, model, loss_func, make_opt, device, warm)
         for s in (progress_bar(setups, leave=False) if progress else setups):   # warm-up, untimed
             try:
                 trainers[s] = _Trainer(s, model, loss_func, make_opt, device)
                 grads = base_grads if s == BASELINE else {}
                 t0 = time.perf_counter(); step(s, 0, *warm, timed=False, grads=grads); trainers[s].warm = time.perf_counter() - t0
-                trainers[s].grad_drift = _grad_drift(grads, base_grads)
-                trainers[s].grad_error = grad_error(grads, ref) if ref else math.nan
-                trainers[s].stock_grad_error = stock_errors.get(s.dtype, math.nan)
+                _judge(trainers[s], grads, ref, stock, base_grads)
             except Exception as e: errors[s] = f"{type(e).__name__}: {e}"; trainers.pop(s, None)
+        if len(batches) > 1: _second_opinion(trainers, model, loss_func, make_opt, device, batches[1])
         steps = len(measured)
         if budget is not None and trainers:
             per_round = sum(tr.warm for tr in trainers.values())   # a measured round costs about one warm-up round
@@ -230,6 +258,7 @@ def _table(setups, trainers, errors, bs, device) -> pd.DataFrame:
                          grad_drift=tr.grad_drift if ok else math.nan,
                          grad_error=tr.grad_error if ok else math.nan,
                          stock_grad_error=tr.stock_grad_error if ok else math.nan,
+                         grad_batch=tr.grad_batch if ok else -1,
                          steps=len(tr.times) if ok else 0, error=errors.get(s, '')))
     df = pd.DataFrame(rows).set_index('setup')
     df.attrs['setups'] = {s.name: s for s in setups}
@@ -239,6 +268,16 @@ def _table(setups, trainers, errors, bs, device) -> pd.DataFrame:
 
 # %% ../nbs/30_finder.ipynb #025df4a0
 NUMERICS_SLACK = 3.   # a setup is as precise as its stock setup when its gradient error is at most this multiple
+# fp32's resolution of the judged gradients: below it, which setup is closer to fp64 is rounding, either way. On this
+# project's test learner, 420 runs: stock contiguous 0.6-2.7e-6, channels-last at most 6.7e-6 (clfast's precise BN
+# sums 64 rows in fp32 before fp64: 1.5-5x stock's at this level); a flipped ReLU 6e-4 or more; a wrong kernel more
+FP32_FLOOR = 1e-5
+
+def _ratio(err:float, stock:float) -> float: return err / stock if stock > 0 else math.inf
+
+def _precise(err:float, stock:float, dtype) -> bool:
+    "Whether a gradient error `err` is as small as its stock setup's (`stock`): within `NUMERICS_SLACK` of it, or (fp32) `FP32_FLOOR`"
+    return err <= max(NUMERICS_SLACK * stock, FP32_FLOOR if dtype is None else 0.)   # NaN (no fp64 yardstick) compares False
 
 def _make_opt(learn):
     return lambda m: learn.opt_func(learn.splitter(m), lr=learn.lr)
@@ -281,22 +320,23 @@ def format_find(self:Learner,
     return df
 
 # %% ../nbs/30_finder.ipynb #ed7a4d45
-def _as_precise(row) -> bool:
-    "Whether a table row's gradients are as close to fp64 as its precision's stock setup's (the baseline always is)"
-    if row.name == BASELINE.name: return True
-    return row.grad_error <= NUMERICS_SLACK * row.stock_grad_error   # NaN (no fp64 yardstick) compares False
+def _as_precise(row, setup:Setup) -> bool:
+    "Whether a table row's gradients (of `setup`) are as close to fp64 as its precision's stock setup's (the baseline always is)"
+    if setup == BASELINE: return True
+    return _precise(row.grad_error, row.stock_grad_error, setup.dtype)
 
 def best_setup(df:pd.DataFrame) -> tuple:
     "`(Setup, why)`: the fastest setup of a `format_find` table whose first-step gradients are as close to fp64 as its precision's stock setup's"
     setups = df.attrs['setups']
     ran = [(n, r) for n,r in df.iterrows() if not r.error and not math.isnan(r.speedup)]
-    ok = [(n, r) for n,r in ran if _as_precise(r)]
-    imprecise = [n for n,r in ran if not _as_precise(r)]
+    ok = [(n, r) for n,r in ran if _as_precise(r, setups[n])]
+    imprecise = [n for n,r in ran if not _as_precise(r, setups[n])]
     if not ok: return BASELINE, "no setup ran as precisely as its stock setup; keeping contiguous fp32"
     name, row = max(ok, key=lambda nr: nr[1].speedup)
     why = (f"{name} trained {row.speedup:.2f}x as fast as contiguous fp32 (gradient error against fp64 "
            f"{row.grad_error:.1e}, its stock setup's {row.stock_grad_error:.1e})")
-    if imprecise: why += f"; left out for gradients farther from fp64 than {NUMERICS_SLACK:g}x their stock setup's: {', '.join(imprecise)}"
+    if imprecise: why += (f"; left out for gradients farther from fp64 than {NUMERICS_SLACK:g}x their stock setup's "
+                          f"(fp32: or {FP32_FLOOR:g}): {', '.join(imprecise)}")
     return setups[name], why
 
 # %% ../nbs/30_finder.ipynb #a529c3f5

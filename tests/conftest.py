@@ -1,4 +1,4 @@
-import os, pytest, torch
+import os, random, numpy as np, pytest, torch
 from hypothesis import settings, HealthCheck
 
 # Property tests must say the same thing on every run: 'ci' (the default) is derandomized, so a failure reproduces
@@ -35,5 +35,5 @@ def fused_way():
 
 @pytest.fixture(autouse=True)
 def _seed():
-    "Every test starts from the same seed, so failures reproduce"
-    torch.manual_seed(0)
+    "Every test starts from the same seeds, so failures reproduce (fastai's loaders shuffle with Python's `random`)"
+    torch.manual_seed(0); random.seed(0); np.random.seed(0)

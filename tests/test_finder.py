@@ -43,12 +43,14 @@ def test_format_find_measures_every_setup_and_leaves_the_learner_as_it_was():
     assert (df.error == '').all() and (df.steps == 2).all() and (df.samples_per_s > 0).all()
     # one statistic: the speedups are the samples per second over the baseline's
     np.testing.assert_allclose(df.speedup, df.samples_per_s / df.loc['contiguous fp32', 'samples_per_s'])
-    # against fp64: each fp32 setup's yardstick is contiguous fp32's own error; every error is measured, none exactly 0.
-    # (Not asserted: that channels-last fp32 is within 3x. In about 1 run of 12 this trained, fused learner's batch made
-    # every channels-last fp32 setup 2e-2 off fp64 on one parameter where contiguous fp32 was 1e-6 off: the finder
-    # then rightly leaves them out. What stock kernel does that is open)
+    # against fp64: each fp32 setup's yardstick is contiguous fp32's own error, on the batch it was judged on; every
+    # error is measured, none exactly 0; every fp32 setup within 3x of it (or fp32's floor) and none left out. A ReLU
+    # input within an ulp of 0 rounding to the other side in one layout moved a channels-last step 2e-2 off, on about
+    # one batch in 6,000 (issue 37): the finder then judges on a second batch, as here if it happens
     fp32_rows = df[[' fp32' in name for name in df.index]]
-    assert (fp32_rows.stock_grad_error == df.loc['contiguous fp32', 'grad_error']).all()
+    on_first = fp32_rows[fp32_rows.grad_batch == 0]
+    assert (on_first.stock_grad_error == df.loc['contiguous fp32', 'grad_error']).all()
+    assert (fp32_rows.grad_error <= np.maximum(finder.NUMERICS_SLACK * fp32_rows.stock_grad_error, finder.FP32_FLOOR)).all()
     assert (df.grad_error > 0).all() and (df.grad_error < 1).all() and (df.stock_grad_error > 0).all()
     # fp32 setups train the same, fused or not; half-precision rows exist only where the CPU runs one fast (and drift more)
     fp32 = df[[' fp32' in name for name in df.index]]
@@ -56,6 +58,26 @@ def test_format_find_measures_every_setup_and_leaves_the_learner_as_it_was():
     mem = df.memory_mib
     assert mem['channels-last fp32 fuse=memory'] < mem['channels-last fp32']   # recomputing the conv saves activations
     _fit(learn)                                              # and the learner trains on
+
+@pytest.mark.parametrize('off_on', ['first batch', 'every batch'])
+def test_a_gradient_off_on_one_batch_is_judged_again(monkeypatch, off_on):
+    """A setup whose first step's gradient is 2e-2 off (as a ReLU input rounding to the other side of 0 makes it, one
+    batch in thousands) is judged again on a second batch from the same weights: kept when that one is as precise, left
+    out when it is off there too (as a wrong kernel is, on every batch)"""
+    learn = _fit(learner())
+    batches = finder._learner_batches(learn, 3)
+    bad, orig = Setup(), finder._Trainer.step
+    def step(self, xb, yb, timed=True, grads=None):
+        orig(self, xb, yb, timed=timed, grads=grads)
+        if grads and self.setup == bad and (off_on == 'every batch' or xb[0] is batches[0][0][0]):
+            name, g = max(grads.items(), key=lambda kv: kv[1].abs().max())
+            g.view(-1)[0] += 2e-2 * g.abs().max()
+    monkeypatch.setattr(finder._Trainer, 'step', step)
+    df = measure_setups(learn.model, batches, learn.loss_func, finder._make_opt(learn), setups=[BASELINE, bad],
+                        progress=False, budget=None)
+    row = df.loc[bad.name]
+    assert row.grad_batch == 1 and ((row.grad_error < 1e-4) == (off_on == 'first batch')), row
+    assert finder._as_precise(row, bad) == (off_on == 'first batch')   # what best_setup keeps or leaves out
 
 def test_a_setup_that_raises_is_a_failed_row(monkeypatch):
     learn = learner()

@@ -40,7 +40,10 @@ def test_vision_learner_workflow(digit_files, arch, tmp_path):
         warnings.simplefilter('ignore')
         learn.freeze()
         learn.fine_tune(1, 1e-3, freeze_epochs=1)
-        sugg = learn.lr_find(num_it=8, show_plot=False)
+        # stop_div=False: in 8 iterations fastai's early stop (a smoothed loss 4x the best so far) can leave its
+        # valley() nothing to read (an IndexError inside fastai): the seeded suite's batch order reads 0.151, 0.277,
+        # 0.528, 0.628 at lr 1e-7..1e-4, batch to batch, and stops at the 4th
+        sugg = learn.lr_find(num_it=8, stop_div=False, show_plot=False)
         preds, targs = learn.get_preds()
         tta_preds, _ = learn.tta(n=1)
         pred = learn.predict(digit_files[1][0])

@@ -210,7 +210,7 @@ class _LayerStep(torch.autograd.Function):
     """`clfast::conv_bn_act`'s autograd node in Python: `csrc/layer_op.cpp`'s `ConvBnAct` line for line (the same kernel
     ops, the same saved tensors; outputs and gradients bit for bit, the running statistics within one rounding), for
     where the C++ library is not loaded, such as a GPU machine without a C++ toolchain. Wherever the library loads its
-    node runs: this one costs ~100 us more host time per layer step"""
+    node runs: this one cost 66 us more host time per layer step (CPU kernels, 8 channels, Zen 5: 252 against 186 us)"""
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom:ConvGeometry, eps, act, act_param,
                 keep_y, training, group):

@@ -311,7 +311,7 @@ def _rank_fit(rank:int, port:int, sync_bn:bool, timeout_s:int, out:str):
     try:
         with learn.distrib_ctx(sync_bn=sync_bn, kwargs_handlers=pg): _fit(learn, Die())
     except Exception as e:
-        Path(out).write_text(json.dumps(dict(kinds=seen.get('kinds'), error=f"{type(e).__name__}: {e}")))
+        Path(out, f'rank{rank}.json').write_text(json.dumps(dict(kinds=seen.get('kinds'), error=f"{type(e).__name__}: {e}")))
         raise
 
 def _free_port() -> int:
@@ -323,9 +323,10 @@ def _run_ranks(tmp_path, sync_bn:bool, reap:bool, timeout_s:int=GROUP_TIMEOUT, b
     """Start 2 ranks; wait at most `bound` s for them (then kill what runs). `reap`: collect each rank's exit as it
     happens (torchrun, torch.multiprocessing); else wait for rank 0 first, leaving a dead rank 1 a zombie till then"""
     port, procs = _free_port(), []
+    tmp_path.mkdir(parents=True, exist_ok=True)
     for r in range(2):
         log = open(tmp_path/f'rank{r}.log', 'w')   # a file, not a pipe: a full pipe would block the rank writing to it
-        call = f"_rank_fit({r}, {port}, {sync_bn}, {timeout_s}, {str(tmp_path/'rank0.json')!r})"
+        call = f"_rank_fit({r}, {port}, {sync_bn}, {timeout_s}, {str(tmp_path)!r})"
         procs.append(subprocess.Popen(_python(call), cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT))
         log.close()
     t0 = time.monotonic()
@@ -340,7 +341,17 @@ def _run_ranks(tmp_path, sync_bn:bool, reap:bool, timeout_s:int=GROUP_TIMEOUT, b
             if p.poll() is None: p.kill()
             p.wait()
     info = json.loads((tmp_path/'rank0.json').read_text()) if (tmp_path/'rank0.json').exists() else {}
-    return [p.returncode for p in procs], [p.pid for p in procs], info, (tmp_path/'rank0.log').read_text()
+    logs = '\n'.join(f"--- rank {r} (exit {p.returncode}):\n{(tmp_path/f'rank{r}.log').read_text()[-2500:]}" for r, p in enumerate(procs))
+    return [p.returncode for p in procs], [p.pid for p in procs], info, logs
+
+def _killed_ranks(tmp_path, sync_bn:bool, reap:bool, **kw):
+    """`_run_ranks`, once more where rank 1 ended before its kill (the fault was not injected, so the run says nothing
+    of it: once in three whole-suite runs rank 1 exited 1 early, the cause unknown; both ranks' logs now say)"""
+    for attempt in range(2):
+        res = _run_ranks(tmp_path/f'try{attempt}', sync_bn, reap, **kw)
+        if res[0][1] == -signal.SIGKILL: break
+        warnings.warn(f"rank 1 ended before its kill, run again: {res[3][-3000:]}")
+    return res
 
 def _lost_rank_named(err:str, pid:int) -> bool:
     "rank 0's error says that rank 1 is gone (clfast's shared-memory exchange) or that a peer closed the connection (gloo)"
@@ -352,9 +363,9 @@ def test_rank_killed_mid_step_ends_rank0_with_error(tmp_path, sync_bn):
     """2 gloo ranks fitting fused layers (synchronized with sync_bn, clfast's shared-memory exchange between ranks of one
     host) and an unfused BatchNorm1d: rank 1 SIGKILLed before batch 3's backward; rank 0 raises an error that says a
     peer is gone, at once, not the process group's timeout; nothing hangs"""
-    (rc0, rc1), (_, pid1), info, log = _run_ranks(tmp_path, sync_bn, reap=True)
-    assert rc1 == -signal.SIGKILL, log[-3000:]
-    assert rc0 == 1 and 'error' in info, f"rank 0 ended with {rc0}: {log[-3000:]}"
+    (rc0, rc1), (_, pid1), info, log = _killed_ranks(tmp_path, sync_bn, reap=True)
+    assert rc1 == -signal.SIGKILL, log[-5000:]
+    assert rc0 == 1 and 'error' in info, f"rank 0 ended with {rc0}: {log[-5000:]}"
     assert _lost_rank_named(info['error'], pid1), info['error']
     kinds = set(info['kinds'])
     assert 'FusedConvBN2d' in kinds and ('PassThroughSyncBatchNorm' in kinds) == sync_bn
@@ -365,6 +376,6 @@ def test_rank_killed_mid_step_unreaped(tmp_path):
     (so the killed rank 1 stays a zombie meanwhile): rank 0 must still say at once that rank 1 is gone (`_alive` took a
     zombie for alive, and rank 0 waited out the group's timeout, then blamed the model). A short group timeout bounds
     the run: past it, rank 0's error is the timeout's, which this test rejects"""
-    (rc0, rc1), (_, pid1), info, log = _run_ranks(tmp_path, True, reap=False, timeout_s=10, bound=60)
+    (rc0, rc1), (_, pid1), info, log = _killed_ranks(tmp_path, True, reap=False, timeout_s=10, bound=60)
     assert rc1 == -signal.SIGKILL and rc0 == 1 and 'error' in info, log[-3000:]
     assert _lost_rank_named(info['error'], pid1), info['error']

@@ -113,7 +113,7 @@ def _layer_key(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
 def _way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, keep_y:bool) -> str:
     "'fused' or 'stock': how this call of the layer runs"
     if _layer_way != 'timed': return _layer_way
-    if (not keep_y or x.device.type not in ('cpu', 'cuda') or sync_group(bn) is not None or kernels_served(x.device)
+    if (not keep_y or x.device.type not in ('cpu', 'cuda') or sync_group(bn) is not None or kernels_served(x.device.type)
         or torch.are_deterministic_algorithms_enabled() or _traced(x)): return 'fused'
     grad = torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad)
     key = _layer_key(x, conv, bn, residual, a, act_param, grad)

@@ -5,17 +5,18 @@
 # %% ../nbs/28_host_cost.ipynb #e5c0a003
 from __future__ import annotations
 import argparse, contextlib, statistics, time
-import torch, torch.nn.functional as F
+import torch
 from torch import nn
 from torch.profiler import profile, ProfilerActivity
 from . import ops
 from .reference import ConvGeometry
+from .act import act_module
 from . import triton_kernels as tk
 from .gpu_report import _triton_on_meta
 
 # %% auto #0
-__all__ = ['NO_KERNEL', 'COPIES', 'CONVS', 'ACTS_MOD', 'CASES', 'kernel_ops', 'cudnn_layouts', 'fused_step', 'stock_step',
-           'triton_names', 'launches', 'host_times', 'host_cost_table', 'main']
+__all__ = ['NO_KERNEL', 'COPIES', 'CONVS', 'CASES', 'kernel_ops', 'cudnn_layouts', 'fused_step', 'stock_step', 'triton_names',
+           'launches', 'host_times', 'host_cost_table', 'main']
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a005
 # ATen ops that launch no kernel on CUDA: allocations, views, metadata. A copy-family op launches one when it copies
@@ -91,7 +92,7 @@ def stock_step(dtype=torch.float32, act='relu', residual=False, shape=(8, 64, 14
     "The same step through the stock modules, as to_channelslast() runs them (BN in fp32 under autocast's rule)"
     n, c, h, w = shape
     conv = nn.Conv2d(c, c, 3, padding=1, bias=False, device=device, dtype=dtype).to(memory_format=torch.channels_last)
-    bn, a = nn.BatchNorm2d(c, device=device), ACTS_MOD[act]()
+    bn, a = nn.BatchNorm2d(c, device=device), act_module(act)
     mk = lambda *s: torch.randn(*s, dtype=dtype, device=device).to(memory_format=torch.channels_last)
     x, res, g = mk(*shape).requires_grad_(), (mk(*shape).requires_grad_() if residual else None), mk(*shape)
     def step():
@@ -102,7 +103,6 @@ def stock_step(dtype=torch.float32, act='relu', residual=False, shape=(8, 64, 14
         a(z).backward(g)
     return step
 
-ACTS_MOD = dict(relu=nn.ReLU, silu=nn.SiLU, none=nn.Identity)
 
 @contextlib.contextmanager
 def triton_names():

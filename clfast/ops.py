@@ -120,11 +120,10 @@ def _serve(name:str, key:str='CPU') -> torch.library.Library:
     _SERVED[key] = _SERVED.get(key, 0) + 1
     return lib
 
-def kernels_served(device:str|torch.device) -> bool:
-    """Whether `device`'s kernel ops run another kernel set than its own now (`CLFAST_KERNELS`, `kernels_from`): a way
-    to test a code path, whose timings say nothing of this machine's kernels"""
-    kind = torch.device(device).type
-    return _SERVED.get('Meta' if kind == 'meta' else kind.upper(), 0) > 0
+def kernels_served(device_type:str) -> bool:
+    """Whether the kernel ops of device type `device_type` ('cpu', 'cuda', 'meta') run another kernel set than its own
+    now (`CLFAST_KERNELS`, `kernels_from`): a way to test a code path, whose timings say nothing of this machine's kernels"""
+    return _SERVED.get('Meta' if device_type == 'meta' else device_type.upper(), 0) > 0
 
 @contextlib.contextmanager
 def kernels_from(name:str, key:str='CPU'):
@@ -143,7 +142,7 @@ def kernels_ready(device:str|torch.device='cpu') -> bool:
     newer GPU, and Triton with the C compiler it builds its launchers with: no C++ library needed), on a shape-only
     'meta' tensor the fakes. Fused and precise modules ask for the CPU when they are made, so a model compiled before
     its first eager step finds the library loaded (torch.compile cannot trace the loading)"""
-    dev = torch.device(device)
+    dev = device if isinstance(device, torch.device) else torch.device(device)   # (called per layer call: no new object)
     if dev.type == 'cuda': return _cuda_ready(torch.cuda.current_device() if dev.index is None else dev.index)
     if dev.type != 'cpu': return True
     if 'cpu' not in _loaded: _load_kernels()

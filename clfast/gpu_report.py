@@ -94,7 +94,7 @@ def layer_step(dtype:torch.dtype, act:str, act_param:float=0., residual:bool=Fal
     x, wt = cl(mk(n, cin, h, w, dt=dtype, rg=g_conv)), cl(mk(c, cin, 3, 3, dt=dtype, rg=g_conv))
     bw, bb = (mk(c, rg=g_bn), mk(c, rg=g_bn)) if affine else (None, None)
     res = cl(mk(n, c, h, w, dt=dtype, rg=g_res)) if residual else None
-    return _step(lambda: ops.fused_conv_bn(x, wt, None, bw, bb, mk(c), mk(c), None, training, .1, 1e-5,
+    return _step(lambda: ops.fused_conv_bn(x, wt, None, bw, bb, mk(c), mk(c), mk((), dt=torch.long), training, .1, 1e-5,
                                            ConvGeometry(padding=(1, 1)), residual=res, act=act, act_param=act_param,
                                            keep_y=mode == 'speed'))
 
@@ -318,7 +318,7 @@ def _span(vals, fmt=str) -> str:
 
 def _kb(b:float) -> str: return f"{b / 1024:.0f} KB" if b >= 1024 else f"{b:.0f} B"
 
-KERNEL_ORDER = ('_stats_partial', '_stats_final', '_params', '_fwd', '_bwd_partial', '_bwd_final', '_bwd_dx')
+KERNEL_ORDER = ('_stats', '_params', '_running', '_fwd', '_bwd_sums', '_bwd_dx')
 
 def report_table(rep:Report) -> str:
     """The markdown table of `rep`: a row per kernel and arch, over its specializations (a memory-bound kernel's

@@ -138,8 +138,7 @@ def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', ch
     """A CPU proxy of the host time of one layer step, in us (median of `n`), both ways on CPU tensors of 2 values a
     channel, so that the kernels' work is next to nothing and the convs cost the same: the fused step through the CUDA
     path's Python (the Triton kernel set serving the CPU, each launch stubbed: Triton's own launcher, 14-21 us a launch
-    on an H100, needs a GPU) and the stock step. The C++ node's bookkeeping takes its CPU loop here, where CUDA runs
-    the 4 ATen ops `launches` counts"""
+    on an H100, needs a GPU) and the stock step"""
     ops.kernels_ready()
     shape = (2, channels, 1, 1)
     with ops.kernels_from('triton', 'CPU'), triton_names():
@@ -156,8 +155,9 @@ def host_cost_table(cases=CASES, mode:str='speed') -> str:
     for dt, act, res in cases:
         l, t = launches(dt, act, res, mode), host_times(dt, act, res, mode)
         kind = f"conv-BN{'-add' if res else ''}-{act}, {str(dt)[6:]}"
-        rows.append(f"| {kind} | {len(l['triton']) + len(l['aten'])} ({len(l['triton'])} + {len(l['aten'])}: "
-                    f"{', '.join(l['aten'])}) | {len(l['stock'])} ({', '.join(l['stock'])}) | {t['fused']:.0f} | "
+        aten = f" + {len(l['aten'])}: {', '.join(l['aten'])}" if l['aten'] else ''
+        rows.append(f"| {kind} | {len(l['triton']) + len(l['aten'])} ({len(l['triton'])} Triton{aten}) | "
+                    f"{len(l['stock'])} ({', '.join(l['stock'])}) | {t['fused']:.0f} | "
                     f"{t['stock']:.0f} | {t['fused'] / t['stock']:.2f}x |")
     return '\n'.join(rows)
 

@@ -10,7 +10,8 @@ from torch import Tensor
 from .act import ACTS, Act
 
 # %% auto #0
-__all__ = ['PARAM_ROWS', 'as_rows', 'from_rows', 'acc_dtype', 'ConvGeometry', 'ref_layer_fwd', 'ref_batch_stats', 'ref_layer_bwd']
+__all__ = ['PARAM_ROWS', 'as_rows', 'from_rows', 'acc_dtype', 'ConvGeometry', 'ref_layer_fwd', 'ref_batch_stats',
+           'ref_update_running', 'ref_layer_bwd']
 
 # %% ../nbs/21_reference.ipynb #7c1c64ea
 def as_rows(t:Tensor) -> Tensor:
@@ -78,6 +79,19 @@ def ref_batch_stats(y):
     "Per-channel `(mean, biased var)` of `y`, accumulation dtype (the synchronized layer's statistics)"
     var, mean = torch.var_mean(as_rows(y).to(acc_dtype(y.dtype)), 0, correction=0)
     return mean, var
+
+def ref_update_running(running_mean, running_var, num_batches_tracked, params, momentum, count):
+    "BatchNorm's bookkeeping after a training batch (see `clfast/KERNELS.md`), as `F.batch_norm` does it"
+    with torch.no_grad():
+        weight = momentum
+        if num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+            if momentum is None: weight = num_batches_tracked.to(params.dtype).reciprocal()
+        if running_mean is None or running_var is None: return
+        var = params[4] * (count / max(count - 1, 1))   # Bessel's correction
+        for running, value in ((running_mean, params[0]), (running_var, var)):
+            w = 0.0 if weight is None else weight if isinstance(weight, float) else weight.to(running.dtype)
+            running.lerp_(value.to(running.dtype), w)
 
 def ref_layer_bwd(dout, x, weight, bias, y, params, residual, out, geom:ConvGeometry, training, act, act_param, needs,
                   grad_means=None):

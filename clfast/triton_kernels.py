@@ -11,48 +11,71 @@ import triton
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['stats', 'fwd', 'bwd', 'layer_fwd', 'batch_stats', 'layer_bwd']
+__all__ = ['stats', 'fwd', 'bwd', 'layer_fwd', 'batch_stats', 'update_running', 'layer_bwd']
 
 # %% ../nbs/20_triton_kernels.ipynb #aa05bf32
 @triton.jit
-def _stats_partial(x_ptr, shift_ptr, ps_ptr, pq_ptr, M, Cq, rows_per,
-                   BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, C_ALIGN: tl.constexpr):
-    "Partial column sums of `x - shift` and `(x - shift)^2` over one slab of rows, `UNROLL` tiles of rows a step"
+def _last_program(lock_ptr, n):
+    """Whether this program is the last of the `n` that count at `lock_ptr` to get there (the last one resets the counter
+    for the next launch): what the others stored before they counted is visible to it, through `volatile` loads"""
+    tl.debug_barrier()   # every thread of this program has stored before the program counts
+    done = tl.atomic_add(lock_ptr, 1, sem='acq_rel')   # release: this program's stores; acquire: the others'
+    last = done == n - 1
+    if last: tl.store(lock_ptr, 0)
+    return last
+
+# %% ../nbs/20_triton_kernels.ipynb #e9876aba
+@triton.jit
+def _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    "Rows 1-3 of `params`, `invstd, scale, shift`, from the per-channel mean and variance and the affine weight and bias"
+    invstd = 1 / tl.sqrt(var + eps)
+    scale = invstd
+    if HAS_W: scale = invstd * tl.load(w_ptr + cols, mask=cmask, other=0).to(eps.dtype)
+    shift = -mean * scale
+    if HAS_B: shift = tl.load(b_ptr + cols, mask=cmask, other=0).to(eps.dtype) - mean * scale
+    tl.store(prm_ptr + C + cols, invstd, mask=cmask)
+    tl.store(prm_ptr + 2 * C + cols, scale, mask=cmask)
+    tl.store(prm_ptr + 3 * C + cols, shift, mask=cmask)
+
+@triton.jit
+def _stats(x_ptr, ps_ptr, pq_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, mean_ptr, var_ptr, prm_ptr, M, Cq, rows_per, P,
+           PARAMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, C_ALIGN: tl.constexpr):
+    """Per-channel mean and biased variance of the `[M, C]` rows (with `PARAMS`, `params`' five rows too), one launch:
+    each program sums `x - shift` and `(x - shift)^2` over one slab of rows, `UNROLL` tiles of rows a step"""
     C = Cq * C_ALIGN
     pid_m, pid_c = tl.program_id(0), tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
-    shift = tl.load(shift_ptr + cols, mask=cmask, other=0)
-    acc_s = tl.zeros([BLOCK_M, BLOCK_C], dtype=shift.dtype)
-    acc_q = tl.zeros([BLOCK_M, BLOCK_C], dtype=shift.dtype)
+    eps = tl.load(k_ptr + 1)
+    shift = tl.load(x_ptr + cols, mask=cmask, other=0).to(eps.dtype)   # the first row
+    acc_s = tl.zeros([BLOCK_M, BLOCK_C], dtype=eps.dtype)
+    acc_q = tl.zeros([BLOCK_M, BLOCK_C], dtype=eps.dtype)
     start = pid_m.to(tl.int64) * rows_per
     for i in range(0, rows_per, BLOCK_M * UNROLL):   # rows_per is a multiple of BLOCK_M * UNROLL
         for u in tl.static_range(UNROLL):
             rows = start + i + u * BLOCK_M + tl.arange(0, BLOCK_M)
             mask = (rows < M)[:, None] & cmask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0).to(shift.dtype)
+            x = tl.load(x_ptr + rows[:, None] * C + cols[None, :], mask=mask, other=0).to(eps.dtype)
             d = tl.where(mask, x - shift[None, :], 0)
             acc_s += d
             acc_q += d * d
     tl.store(ps_ptr + pid_m * C + cols, tl.sum(acc_s, axis=0), mask=cmask)
     tl.store(pq_ptr + pid_m * C + cols, tl.sum(acc_q, axis=0), mask=cmask)
-
-# %% ../nbs/20_triton_kernels.ipynb #e9876aba
-@triton.jit
-def _stats_final(ps_ptr, pq_ptr, shift_ptr, mean_ptr, var_ptr, P, M, C, BLOCK_C: tl.constexpr):
-    "Add the `P` partial sums and write per-channel mean and biased variance"
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    shift = tl.load(shift_ptr + cols, mask=cmask, other=0)
-    s = tl.zeros([BLOCK_C], dtype=shift.dtype)
-    q = tl.zeros([BLOCK_C], dtype=shift.dtype)
-    for p in range(0, P):
-        s += tl.load(ps_ptr + p * C + cols, mask=cmask, other=0)
-        q += tl.load(pq_ptr + p * C + cols, mask=cmask, other=0)
-    md = s / M
-    tl.store(mean_ptr + cols, shift + md, mask=cmask)
-    v = q / M - md * md
-    tl.store(var_ptr + cols, tl.where(v < 0, 0., v), mask=cmask)   # a NaN kept, as ATen's (tl.maximum drops it)
+    if _last_program(lock_ptr + pid_c, P):
+        s = tl.zeros([BLOCK_C], dtype=eps.dtype)
+        q = tl.zeros([BLOCK_C], dtype=eps.dtype)
+        for p in range(0, P):
+            s += tl.load(ps_ptr + p * C + cols, mask=cmask, other=0, volatile=True)
+            q += tl.load(pq_ptr + p * C + cols, mask=cmask, other=0, volatile=True)
+        md = s / M
+        # the shift loaded again: kept live across the loop, it cost some specializations a stack frame (sm_80)
+        mean = tl.load(x_ptr + cols, mask=cmask, other=0).to(eps.dtype) + md
+        v = q / M - md * md
+        var = tl.where(v < 0, 0., v)   # a NaN kept, as ATen's (tl.maximum drops it)
+        tl.store(mean_ptr + cols, mean, mask=cmask)
+        tl.store(var_ptr + cols, var, mask=cmask)
+        if PARAMS: _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W, HAS_B)
 
 # %% ../nbs/20_triton_kernels.ipynb #becb01eb
 @triton.jit
@@ -118,22 +141,45 @@ def _act_grad_from_out(out, p, ACT: tl.constexpr):
 @triton.jit
 def _params(mean_ptr, var_ptr, w_ptr, b_ptr, k_ptr, prm_ptr, C,
             HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_C: tl.constexpr):
-    "The `[5, C]` rows `mean, invstd, scale, shift, var` from mean, var and the affine weight and bias"
+    "The `[5, C]` rows `mean, invstd, scale, shift, var` from given statistics and the affine weight and bias"
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
     eps = tl.load(k_ptr + 1)
     mean = tl.load(mean_ptr + cols, mask=cmask, other=0).to(eps.dtype)
     var = tl.load(var_ptr + cols, mask=cmask, other=1).to(eps.dtype)
-    invstd = 1 / tl.sqrt(var + eps)
-    scale = invstd
-    if HAS_W: scale = invstd * tl.load(w_ptr + cols, mask=cmask, other=0).to(eps.dtype)
-    shift = -mean * scale
-    if HAS_B: shift = tl.load(b_ptr + cols, mask=cmask, other=0).to(eps.dtype) - mean * scale
     tl.store(prm_ptr + cols, mean, mask=cmask)
-    tl.store(prm_ptr + C + cols, invstd, mask=cmask)
-    tl.store(prm_ptr + 2 * C + cols, scale, mask=cmask)
-    tl.store(prm_ptr + 3 * C + cols, shift, mask=cmask)
     tl.store(prm_ptr + 4 * C + cols, var, mask=cmask)
+    _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W, HAS_B)
+
+@triton.jit
+def _lerp(start, end, w):
+    "ATen's `lerp`: `start + w * (end - start)`, from the nearer end"
+    return tl.where(tl.abs(w) < 0.5, start + w * (end - start), end - (end - start) * (1 - w))
+
+@triton.jit
+def _running(prm_ptr, rm_ptr, rv_ptr, nbt_ptr, k_ptr, C, HAS_STATS: tl.constexpr, HAS_NBT: tl.constexpr,
+             CUMULATIVE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """`num_batches_tracked + 1`, then the running mean and variance `lerp`ed towards the batch's (its variance times
+    Bessel's correction) by the momentum, or by `1 / num_batches_tracked` when `CUMULATIVE`; one program, the only
+    one to bump the count"""
+    acc = prm_ptr.dtype.element_ty
+    if HAS_NBT:
+        n = tl.load(nbt_ptr) + 1
+        tl.store(nbt_ptr, n)
+    if HAS_STATS:
+        rdt = rm_ptr.dtype.element_ty
+        if CUMULATIVE: w = (1 / n.to(acc)).to(rdt)
+        else: w = tl.load(k_ptr).to(rdt)
+        correction = tl.load(k_ptr + 1).to(acc)
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            cmask = cols < C
+            mean = tl.load(prm_ptr + cols, mask=cmask, other=0).to(rdt)
+            var = (tl.load(prm_ptr + 4 * C + cols, mask=cmask, other=0) * correction).to(rdt)
+            rm = tl.load(rm_ptr + cols, mask=cmask, other=0)
+            rv = tl.load(rv_ptr + cols, mask=cmask, other=0)
+            tl.store(rm_ptr + cols, _lerp(rm, mean, w), mask=cmask)
+            tl.store(rv_ptr + cols, _lerp(rv, var, w), mask=cmask)
 
 # %% ../nbs/20_triton_kernels.ipynb #f4252669
 @triton.jit
@@ -169,10 +215,13 @@ def _dz(g, y, scale, shift, res_ptr, out_ptr, offs, mask, p,
     return g
 
 @triton.jit
-def _bwd_partial(g_ptr, x_ptr, mean_ptr, scale_ptr, shift_ptr, res_ptr, out_ptr, k_ptr, ps_ptr, pq_ptr, M, Cq, rows_per,
-                 HAS_Y: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, FROM_OUT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, C_ALIGN: tl.constexpr):
-    "Partial column sums of `dz` and `dz*(x - mean)` over one slab of rows, `UNROLL` tiles of rows a step"
+def _bwd_sums(g_ptr, x_ptr, mean_ptr, invstd_ptr, scale_ptr, shift_ptr, res_ptr, out_ptr, k_ptr, ps_ptr, pq_ptr, lock_ptr,
+              sdz_ptr, sdx_ptr, b_ptr, d_ptr, M, Cq, rows_per, P,
+              HAS_Y: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, FROM_OUT: tl.constexpr,
+              TRAINING: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr,
+              C_ALIGN: tl.constexpr):
+    """`sum(dz)`, `sum(dz*x_hat)` and pass 2's per-channel coefficients B, D, one launch: each program sums `dz` and
+    `dz*(x - mean)` over one slab of rows, `UNROLL` tiles of rows a step"""
     C = Cq * C_ALIGN
     pid_m, pid_c = tl.program_id(0), tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -197,30 +246,20 @@ def _bwd_partial(g_ptr, x_ptr, mean_ptr, scale_ptr, shift_ptr, res_ptr, out_ptr,
             if HAS_Y: acc_q += g * (x - mean[None, :])
     tl.store(ps_ptr + pid_m * C + cols, tl.sum(acc_s, axis=0), mask=cmask)
     tl.store(pq_ptr + pid_m * C + cols, tl.sum(acc_q, axis=0), mask=cmask)
-
-# %% ../nbs/20_triton_kernels.ipynb #421d65f6
-@triton.jit
-def _bwd_final(ps_ptr, pq_ptr, invstd_ptr, scale_ptr, sdz_ptr, sdx_ptr, b_ptr, d_ptr, P, M, C,
-               TRAINING: tl.constexpr, BLOCK_C: tl.constexpr):
-    "Add the partials: `sum(dz)`, `sum(dz*x_hat)`, and pass 2's per-channel coefficients B, D"
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    invstd = tl.load(invstd_ptr + cols, mask=cmask, other=0)
-    scale = tl.load(scale_ptr + cols, mask=cmask, other=0)
-    s = tl.zeros([BLOCK_C], dtype=invstd.dtype)
-    q = tl.zeros([BLOCK_C], dtype=invstd.dtype)
-    for p in range(0, P):
-        s += tl.load(ps_ptr + p * C + cols, mask=cmask, other=0)
-        q += tl.load(pq_ptr + p * C + cols, mask=cmask, other=0)
-    sdx = q * invstd
-    tl.store(sdz_ptr + cols, s, mask=cmask)
-    tl.store(sdx_ptr + cols, sdx, mask=cmask)
-    if TRAINING:
-        tl.store(b_ptr + cols, -scale * invstd * sdx / M, mask=cmask)
-        tl.store(d_ptr + cols, -scale * s / M, mask=cmask)
-    else:
-        tl.store(b_ptr + cols, tl.zeros([BLOCK_C], dtype=invstd.dtype), mask=cmask)
-        tl.store(d_ptr + cols, tl.zeros([BLOCK_C], dtype=invstd.dtype), mask=cmask)
+    if _last_program(lock_ptr + pid_c, P):
+        s = tl.zeros([BLOCK_C], dtype=mean.dtype)
+        q = tl.zeros([BLOCK_C], dtype=mean.dtype)
+        for i in range(0, P):
+            s += tl.load(ps_ptr + i * C + cols, mask=cmask, other=0, volatile=True)
+            q += tl.load(pq_ptr + i * C + cols, mask=cmask, other=0, volatile=True)
+        invstd = tl.load(invstd_ptr + cols, mask=cmask, other=0)
+        sdx = q * invstd
+        tl.store(sdz_ptr + cols, s, mask=cmask)
+        tl.store(sdx_ptr + cols, sdx, mask=cmask)
+        if TRAINING:   # (B = D = 0 otherwise: `_bwd_dx` reads them only in training)
+            scale = tl.load(scale_ptr + cols, mask=cmask, other=0)   # again, as `_stats`' shift
+            tl.store(b_ptr + cols, -scale * invstd * sdx / M, mask=cmask)
+            tl.store(d_ptr + cols, -scale * s / M, mask=cmask)
 
 # %% ../nbs/20_triton_kernels.ipynb #53378daa
 @triton.jit
@@ -253,9 +292,11 @@ def _bwd_dx(g_ptr, x_ptr, mean_ptr, scale_ptr, shift_ptr, b_ptr, d_ptr, res_ptr,
 
 # %% ../nbs/20_triton_kernels.ipynb #e84d665a
 _TILE, _REDUCE_TILE, _STATS_UNROLL, _BWD_UNROLL = 4096, 2048, 4, 2
-# warps per kernel, from the compile report: 8 halve `_fwd`'s and `_bwd_partial`'s live values per thread (an fp32 tile
-# and its residual spilled at 4 on sm_80), 4 keep more bytes in flight for the other two
-_WARPS = dict(stats=4, fwd=8, bwd=8, dx=4)
+# warps per kernel, from the compile report: 8 halve `_fwd`'s and `_bwd_sums`' live values per thread (an fp32 tile
+# and its residual spilled at 4 on sm_80), 4 keep more bytes in flight for the other two; and 4 for the backward's sums
+# that read act' from the output or need no coefficients (eval): at 8, sm_80's bf16 relu6-from-output specializations
+# spilled two registers (the sums' last program holds more pointers than `_bwd_partial` did)
+_WARPS = dict(stats=4, fwd=8, bwd=8, bwd_light=4, dx=4)
 
 # host arithmetic in plain Python: `triton.cdiv` and `triton.next_power_of_2` are ConstexprFunctions, ~1.5 us a call
 # from host code, and a layer step's launch code made 26 such calls (~40 us of its host time)
@@ -300,22 +341,42 @@ def _launch(kernel, grid:tuple, *args, **meta):
 def _consts(act_param:float, eps:float, dtype:torch.dtype, device:torch.device) -> Tensor:
     "`[act_param, eps]` in `dtype` on `device`, made once per value (kernel scalars would be rounded to fp32)"
     return torch.tensor([act_param, eps], dtype=dtype, device=device)
+_LOCKS: dict[torch.device, Tensor] = {}   # per device: the reductions' counters (`_last_program`), each left at zero
+
+def _locks(device:torch.device, n:int) -> Tensor:
+    "At least `n` zeroed `int32` counters on `device`, one per column block of a reduction"
+    t = _LOCKS.get(device)
+    if t is None or t.numel() < n:
+        if device.type == 'cuda' and torch.cuda.is_current_stream_capturing():
+            # memory a graph allocates is its own: a counter buffer made during a capture would be freed with the graph
+            raise RuntimeError("clfast's Triton kernels ran for the first time on this device inside a CUDA graph "
+                               "capture: run the step once before capturing it")
+        t = _LOCKS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+    return t
 
 # %% ../nbs/20_triton_kernels.ipynb #31893cc8
-def stats(x:Tensor, mean:Tensor|None=None, var:Tensor|None=None) -> tuple[Tensor, Tensor]:
-    "Per-channel (mean, biased var) of the `[M, C]` rows `x`, written into `mean`, `var` when given"
+def _stats_into(x:Tensor, mean:Tensor, var:Tensor, k:Tensor, params:Tensor|None=None, weight:Tensor|None=None,
+                bias:Tensor|None=None):
+    "Launch `_stats` on the `[M, C]` rows `x`: mean and biased variance into `mean`, `var`, and `params` when given"
     m, c = x.shape
     if m == 0: raise ValueError("stats needs at least one value per channel")
     (bm, bc), un = _reduce_blocks(c), _STATS_UNROLL
     rows_per, p = _slabs(m, c, bm * un, bc)
-    shift = x[0].to(_acc(x))
-    ps, pq = x.new_empty((p, c), dtype=shift.dtype), x.new_empty((p, c), dtype=shift.dtype)
-    if mean is None: mean = torch.empty_like(shift)
-    if var is None: var = torch.empty_like(shift)
+    n_c = _cdiv(c, bc)
+    ps, pq = x.new_empty((p, c), dtype=mean.dtype), x.new_empty((p, c), dtype=mean.dtype)
+    prm = mean if params is None else params
     with _on(x):
-        _launch(_stats_partial, (p, _cdiv(c, bc)), x, shift, ps, pq, m, c // _align(c), rows_per,
+        _launch(_stats, (p, n_c), x, ps, pq, _locks(x.device, n_c), prm if weight is None else weight,
+                prm if bias is None else bias, k, mean, var, prm, m, c // _align(c), rows_per, p,
+                PARAMS=params is not None, HAS_W=weight is not None, HAS_B=bias is not None,
                 BLOCK_M=bm, BLOCK_C=bc, UNROLL=un, C_ALIGN=_align(c), num_warps=_WARPS['stats'])
-        _launch(_stats_final, (_cdiv(c, bc),), ps, pq, shift, mean, var, p, m, c, BLOCK_C=bc)
+
+def stats(x:Tensor, mean:Tensor|None=None, var:Tensor|None=None) -> tuple[Tensor, Tensor]:
+    "Per-channel (mean, biased var) of the `[M, C]` rows `x`, written into `mean`, `var` when given"
+    acc = _acc(x)
+    if mean is None: mean = x.new_empty(x.shape[1], dtype=acc)
+    if var is None: var = x.new_empty(x.shape[1], dtype=acc)
+    _stats_into(x, mean, var, _consts(0., 0., acc, x.device))
     return mean, var
 
 # %% ../nbs/20_triton_kernels.ipynb #b9784ed9
@@ -347,25 +408,25 @@ def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift
     bm, bc = _blocks(c)
     rbm, un = _reduce_blocks(c)[0], _BWD_UNROLL
     rows_per, p = _slabs(m, c, rbm * un, bc)
+    n_c = _cdiv(c, bc)
     has_res, has_y = res is not None, x is not None
     xx, r, o = (x if has_y else g), (res if has_res else g), (out if from_out else g)
     k = _consts(float(act_param), 0., mean.dtype, g.device)
-    ps, pq = g.new_empty((p, c), dtype=mean.dtype), g.new_empty((p, c), dtype=mean.dtype)
-    sdz, sdx, b, d = (torch.empty_like(mean) for _ in range(4))
+    sdz, sdx, b, d = (torch.empty_like(mean) for _ in range(4))   # apart: a custom op's outputs may not be views
     if want_dy and dy is None: dy = torch.empty_like(g)
     if want_dres and dres is None: dres = torch.empty_like(g)
     with _on(g):
         if grad_means is None or want_sums:
-            _launch(_bwd_partial, (p, _cdiv(c, bc)), g, xx, mean, scale, shift, r, o, k, ps, pq, m,
-                    c // _align(c), rows_per, HAS_Y=has_y, HAS_RES=has_res, ACT=act, FROM_OUT=from_out,
-                    BLOCK_M=rbm, BLOCK_C=bc, UNROLL=un, C_ALIGN=_align(c), num_warps=_WARPS['bwd'])
-            _launch(_bwd_final, (_cdiv(c, bc),), ps, pq, invstd, scale, sdz, sdx, b, d, p, m, c,
-                    TRAINING=training, BLOCK_C=bc)
-        if grad_means is not None and training:   # pass 2's coefficients from the given means (as _bwd_final's)
+            ps, pq = g.new_empty((p, c), dtype=mean.dtype), g.new_empty((p, c), dtype=mean.dtype)
+            _launch(_bwd_sums, (p, n_c), g, xx, mean, invstd, scale, shift, r, o, k, ps, pq, _locks(g.device, n_c),
+                    sdz, sdx, b, d, m, c // _align(c), rows_per, p, HAS_Y=has_y, HAS_RES=has_res, ACT=act,
+                    FROM_OUT=from_out, TRAINING=training, BLOCK_M=rbm, BLOCK_C=bc, UNROLL=un, C_ALIGN=_align(c),
+                    num_warps=_WARPS['bwd' if training and not from_out else 'bwd_light'])
+        if grad_means is not None and training:   # pass 2's coefficients from the given means (as _bwd_sums')
             b, d = -scale * invstd * grad_means[1], -scale * grad_means[0]
         if want_dy or want_dres:
             y_in_dx = training or (act != 0 and not from_out)
-            _launch(_bwd_dx, (_cdiv(m, bm), _cdiv(c, bc)), g, xx, mean, scale, shift, b, d, r, o, k,
+            _launch(_bwd_dx, (_cdiv(m, bm), n_c), g, xx, mean, scale, shift, b, d, r, o, k,
                     dy if want_dy else g, dres if want_dres else g, m, c // _align(c),
                     HAS_Y=y_in_dx, HAS_RES=has_res, ACT=act, FROM_OUT=from_out, TRAINING=training, WANT_DY=want_dy,
                     WANT_DRES=want_dres, BLOCK_M=bm, BLOCK_C=bc, C_ALIGN=_align(c), num_warps=_WARPS['dx'])
@@ -406,14 +467,15 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
     yr, c, acc = _rows(y), y.shape[1], _acc(x)
     if (mean is None) != (var is None): raise ValueError("give both mean and var, or neither")
     prm = torch.empty((5, c), dtype=acc, device=y.device)
-    if mean is None: mean, var = stats(yr, prm[0], prm[4])
-    else: mean, var = mean.contiguous(), var.contiguous()
     k = _consts(float(act_param), float(eps), acc, y.device)
-    bc = _blocks(c)[1]
-    with _on(y):
-        _launch(_params, (_cdiv(c, bc),), mean, var, prm if bn_weight is None else bn_weight.contiguous(),
-                prm if bn_bias is None else bn_bias.contiguous(), k, prm, c,
-                HAS_W=bn_weight is not None, HAS_B=bn_bias is not None, BLOCK_C=bc)
+    w = None if bn_weight is None else bn_weight.contiguous()
+    b = None if bn_bias is None else bn_bias.contiguous()
+    if mean is None: _stats_into(yr, prm[0], prm[4], k, prm, w, b)
+    else:
+        bc = _blocks(c)[1]
+        with _on(y):
+            _launch(_params, (_cdiv(c, bc),), mean.contiguous(), var.contiguous(), prm if w is None else w,
+                    prm if b is None else b, k, prm, c, HAS_W=w is not None, HAS_B=b is not None, BLOCK_C=bc)
     out, orows = _empty_cl(y.shape, x.dtype, y.device)
     fwd(yr, prm[2], prm[3], None if residual is None else _rows(_cl(residual)), act, act_param, out=orows)
     return out, (y if keep_y else y.new_empty(0)), prm
@@ -422,6 +484,21 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
 def batch_stats(y:Tensor) -> tuple[Tensor, Tensor]:
     "Per-channel `(mean, biased var)` of the conv output `y` (the synchronized layer's statistics)"
     return stats(_rows(_cl(y)))
+
+def update_running(running_mean:Tensor|None, running_var:Tensor|None, num_batches_tracked:Tensor|None,
+                   params:Tensor, momentum:float|None, count:int):
+    "BatchNorm's bookkeeping after a training batch, in one launch: see `clfast/KERNELS.md`"
+    has_stats = running_mean is not None and running_var is not None
+    if not has_stats and num_batches_tracked is None: return
+    c = params.shape[1]
+    k = _consts(0. if momentum is None else float(momentum), count / max(count - 1, 1), torch.float64, params.device)
+    with _on(params):
+        _launch(_running, (1,), params, running_mean if has_stats else params, running_var if has_stats else params,
+                params if num_batches_tracked is None else num_batches_tracked, k, c, HAS_STATS=has_stats,
+                HAS_NBT=num_batches_tracked is not None, CUMULATIVE=momentum is None and num_batches_tracked is not None,
+                BLOCK_C=max(16, min(1024, _pow2(c))))
+    for t in (running_mean, running_var, num_batches_tracked):   # written through pointers: autograd must see it
+        if t is not None: torch.autograd.graph.increment_version(t)
 
 # %% ../nbs/20_triton_kernels.ipynb #4336843b
 def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, params:Tensor,

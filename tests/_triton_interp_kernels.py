@@ -48,14 +48,58 @@ def test_stats_large_mean():
     torch.testing.assert_close(var.double(), y.float().double().var(0, unbiased=False), rtol=1e-3, atol=0)
 
 def test_stats_many_programs():
-    "More rows than one reduction program holds: the second stage adds several partials"
-    y = torch.randn(64 * 1030 + 7, 3)
-    bm, bc = tk._reduce_blocks(3)
+    "More rows than one reduction program holds, several column blocks: the last program of each adds the partials"
+    y = torch.randn(64 * 1030 + 7, 70, dtype=F64)   # 70 channels: two column blocks of 64
+    bm, bc = tk._reduce_blocks(70)
     rows_per, p = tk._slabs(*y.shape, bm * tk._STATS_UNROLL, bc)   # as `stats` cuts the rows
-    assert p > 1
+    assert p > 1 and tk._cdiv(70, bc) == 2
     mean, var = tk.stats(y)
-    torch.testing.assert_close(mean, y.mean(0), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(var, y.var(0, unbiased=False), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mean, y.mean(0), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(var, y.var(0, unbiased=False), atol=1e-12, rtol=1e-12)
+
+def test_reductions_leave_their_counters_zero():
+    "Each reduction leaves the per-device counters as it found them, so the next launch needs no clearing: the same "
+    "inputs give bit-equal results launch after launch, in statistics and in backward's sums"
+    y, g = torch.randn(64 * 300 + 5, 70), torch.randn(64 * 300 + 5, 70)
+    first = tk.stats(y)
+    assert not tk._LOCKS[y.device].any()
+    mean, var = first
+    invstd = (var + 1e-5).rsqrt()
+    sums = tk.bwd(g, y, mean, invstd, invstd, -mean * invstd, None, ACTS['relu'].code, True, False)
+    assert not tk._LOCKS[y.device].any()
+    for a, b in zip(first + sums, tk.stats(y) + tk.bwd(g, y, mean, invstd, invstd, -mean * invstd, None,
+                                                         ACTS['relu'].code, True, False)):
+        assert torch.equal(a, b)
+
+@pytest.mark.parametrize('momentum', [0.1, None, 0.75])
+@pytest.mark.parametrize('running_dt', [F32, F64])
+def test_update_running(momentum, running_dt):
+    "BatchNorm's bookkeeping in one launch: the count, and the running averages as `F.batch_norm` updates them in fp64"
+    y = torch.randn(4, 70, 3, 5, dtype=F64) * 3 + 1
+    prm = torch.stack([y.mean((0, 2, 3)), y.new_zeros(70), y.new_zeros(70), y.new_zeros(70),
+                       y.var((0, 2, 3), unbiased=False)]).to(acc_dtype(running_dt))
+    rm, rv = torch.randn(70, dtype=F64).to(running_dt), torch.rand(70, dtype=F64).to(running_dt)
+    nbt = torch.tensor(6)
+    want_m, want_v = rm.double(), rv.double()
+    F.batch_norm(y, want_m, want_v, training=True, momentum=1 / 7 if momentum is None else momentum)
+    tk.update_running(rm, rv, nbt, prm, momentum, 4 * 3 * 5)
+    assert nbt.item() == 7
+    tol = TOL[running_dt]
+    torch.testing.assert_close(rm.double(), want_m, **tol)
+    torch.testing.assert_close(rv.double(), want_v, **tol)
+
+def test_update_running_without_statistics_or_count():
+    "A BatchNorm without running statistics bumps only its count; without a count, momentum None leaves them (ATen's)"
+    prm, nbt = torch.rand(5, 8), torch.tensor(0)
+    tk.update_running(None, None, nbt, prm, 0.1, 10)
+    assert nbt.item() == 1
+    rm, rv = torch.zeros(8), torch.ones(8)
+    tk.update_running(rm, rv, None, prm, None, 10)
+    assert torch.equal(rm, torch.zeros(8)) and torch.equal(rv, torch.ones(8))
+    tk.update_running(rm, rv, None, prm, 0.5, 10)
+    torch.testing.assert_close(rm, prm[0] / 2)
+    torch.testing.assert_close(rv, 0.5 + prm[4] * 10 / 9 / 2)
+
 
 # ------------------------------------------------------------------------------------------------ the activations
 @pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)

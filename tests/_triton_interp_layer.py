@@ -99,8 +99,8 @@ def test_launches_are_the_traffic_models(act, res, mode):
     assert x.grad is not None and torch.isfinite(x.grad).all()
     dry = gpu_report.layer_step(torch.float32, act, residual=res, mode=mode, grads=(True, True, res))
     assert [(l.phase, l.name, l.flags) for l in fwd + bwd] == [(l.phase, l.name, l.flags) for l in dry]
-    streams = [l.name for l in fwd + bwd if l.name in ('_stats_partial', '_fwd', '_bwd_partial', '_bwd_dx')]
-    assert streams == ['_stats_partial', '_fwd', '_bwd_partial', '_bwd_dx']   # 2 passes forward, 2 backward
+    streams = [l.name for l in fwd + bwd if l.name in ('_stats', '_fwd', '_bwd_sums', '_bwd_dx')]
+    assert streams == ['_stats', '_fwd', '_bwd_sums', '_bwd_dx']   # 2 passes forward, 2 backward
 
 @pytest.mark.parametrize('act', ['none', 'silu'])
 def test_layer_without_conv(act):

@@ -111,23 +111,12 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
       auto [mean_all, var_all, count] = synced_stats(y_here, group);
       std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean_all, var_all, g, eps, act,
                                            act_param, keep_y, y_here);
+      // row 4, the variance the running average takes, unbiased with every rank's count (backward reads rows 0-3)
       params.select(0, 4).mul_(count / (count - 1).clamp_min(1));
     } else {
       std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g, eps, act,
                                            act_param, keep_y, std::nullopt);
-      if (training && plain_cpu(params, params.scalar_type())) {  // as below, in a loop (see update_running)
-        const double n = double(out.numel() / out.size(1));
-        AT_DISPATCH_FLOATING_TYPES(params.scalar_type(), "clfast_unbiased", [&] {
-          const scalar_t correction = scalar_t(n / std::max(n - 1, 1.0));
-          scalar_t* var = params.data_ptr<scalar_t>() + 4 * params.size(1);
-          for (int64_t j = 0; j < params.size(1); ++j) var[j] *= correction;
-        });
-      } else if (training) {  // sizes may be symbolic (torch.compile with dynamic shapes)
-        const c10::SymInt n = out.sym_numel() / out.sym_size(1);
-        params.select(0, 4).mul_(c10::Scalar(c10::SymFloat(n) / c10::SymFloat((n - 1).max(1))));
-      }
     }
-    // the batch variance the running average takes is row 4, unbiased above (backward reads rows 0-3 only)
     const bool has_act = act != clfast_cpu::act::kNone, has_res = given(residual);
     const bool from_out = has_res && has_act && clfast_cpu::act::grad_from_out(act, act_param);
     const bool keep_res = has_res && has_act && !from_out;
@@ -214,15 +203,16 @@ template <typename T> T lerp(T start, T end, T weight) {
   return std::fma(small ? weight : weight - T(1), end - start, small ? start : end);
 }
 
-// BatchNorm's bookkeeping after a batch-statistics step: bump num_batches_tracked, then
-// running = lerp(running, batch value, momentum, or 1/num_batches_tracked where momentum is None: a cumulative average).
-// On the CPU a loop over the C values: the six tensor ops it replaces (add_, select, to, lerp_ twice) cost ~13 us a
-// layer forward in a loop and more right after a conv, with the caches cold
+// `clfast::update_running`'s CPU kernel, BatchNorm's bookkeeping after a batch-statistics step: bump
+// num_batches_tracked, then running = lerp(running, batch value, momentum, or 1/num_batches_tracked where momentum is
+// None: a cumulative average), the batch's variance times Bessel's correction count / (count - 1).
+// A loop over the C values: the tensor ops it replaces (add_, mul_, select, to, lerp_ twice) cost ~13 us a layer
+// forward in a loop and more right after a conv, with the caches cold
 void update_running(const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& num_batches_tracked,
-                    const Tensor& params, std::optional<double> momentum) {
-  RECORD_FUNCTION("clfast::bn_update_running", std::vector<c10::IValue>());
+                    const Tensor& params, std::optional<double> momentum, c10::SymInt sym_count) {
   at::NoGradGuard no_grad;
   const auto acc = params.scalar_type();
+  const double n = double(sym_count.guard_int(__FILE__, __LINE__)), correction = n / std::max(n - 1, 1.0);
   const bool stats = given(running_mean) && given(running_var);
   if ((!given(num_batches_tracked) || plain_cpu(num_batches_tracked, at::kLong)) &&
       (!stats || (plain_cpu(params, acc) && plain_cpu(running_mean, acc) && plain_cpu(running_var, acc))) &&
@@ -238,11 +228,13 @@ void update_running(const OptTensor& running_mean, const OptTensor& running_var,
       const scalar_t weight = momentum ? scalar_t(*momentum) : scalar_t(1) / scalar_t(count);
       const int64_t c = params.size(1);
       const scalar_t* batch = params.const_data_ptr<scalar_t>();
-      for (auto [running, row] : {std::pair<const Tensor*, int64_t>{&*running_mean, 0}, {&*running_var, 4}}) {
-        scalar_t* r = running->data_ptr<scalar_t>();
-        for (int64_t j = 0; j < c; ++j) r[j] = lerp(r[j], batch[row * c + j], weight);
-        running->unsafeGetTensorImpl()->bump_version();
-      }
+      const scalar_t unbias = scalar_t(correction);
+      scalar_t* r = running_mean->data_ptr<scalar_t>();
+      for (int64_t j = 0; j < c; ++j) r[j] = lerp(r[j], batch[j], weight);
+      r = running_var->data_ptr<scalar_t>();
+      for (int64_t j = 0; j < c; ++j) r[j] = lerp(r[j], batch[4 * c + j] * unbias, weight);
+      running_mean->unsafeGetTensorImpl()->bump_version();
+      running_var->unsafeGetTensorImpl()->bump_version();
     });
     return;
   }
@@ -252,11 +244,19 @@ void update_running(const OptTensor& running_mean, const OptTensor& running_var,
     if (!momentum) cumulative = at::reciprocal(num_batches_tracked->to(params.scalar_type()));
   }
   if (!stats) return;
-  for (auto [running, row] : {std::pair<const Tensor*, int64_t>{&*running_mean, 0}, {&*running_var, 4}}) {
-    const Tensor value = params.select(0, row).to(running->scalar_type());
-    if (cumulative) running->lerp_(value, cumulative->to(running->scalar_type()));
-    else running->lerp_(value, momentum.value_or(0.0));
+  for (auto [running, value] : {std::pair<const Tensor*, Tensor>{&*running_mean, params.select(0, 0)},
+                                 {&*running_var, params.select(0, 4) * correction}}) {
+    const Tensor v = value.to(running->scalar_type());
+    if (cumulative) running->lerp_(v, cumulative->to(running->scalar_type()));
+    else running->lerp_(v, momentum.value_or(0.0));
   }
+}
+
+void update_running_op(const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& num_batches_tracked,
+                       const Tensor& params, std::optional<double> momentum, c10::SymInt count) {
+  static const auto k = op<void(const OptTensor&, const OptTensor&, const OptTensor&, const Tensor&,
+                                std::optional<double>, c10::SymInt)>("clfast::update_running");
+  k.call(running_mean, running_var, num_batches_tracked, params, momentum, std::move(count));
 }
 
 Tensor conv_bn_act(const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& bn_weight,
@@ -275,11 +275,15 @@ Tensor conv_bn_act(const Tensor& x, const OptTensor& weight, const OptTensor& bi
   const Geometry g{stride.vec(), padding.vec(), dilation.vec(), groups};
   auto outs = clfast::ConvBnAct::apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g, eps, act, act_param,
                                keep_y && given(weight), batch_stats, synced);
-  if (training && (given(running_mean) || given(num_batches_tracked)))
-    update_running(running_mean, running_var, num_batches_tracked, outs[2], momentum);
+  if (training && (given(running_mean) || given(num_batches_tracked))) {
+    // the variance's count for Bessel's correction; 1 (none) where the synchronized step applied every rank's
+    c10::SymInt count = synced.empty() ? outs[0].sym_numel() / outs[0].sym_size(1) : c10::SymInt(1);
+    update_running_op(running_mean, running_var, num_batches_tracked, outs[2], momentum, std::move(count));
+  }
   return outs[0];
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(clfast, CompositeImplicitAutograd, m) { m.impl("conv_bn_act", &conv_bn_act); }
+TORCH_LIBRARY_IMPL(clfast, CPU, m) { m.impl("update_running", &update_running); }

@@ -24,6 +24,16 @@ def _last_program(lock_ptr, n):
     if last: tl.store(lock_ptr, 0)
     return last
 
+@triton.jit
+def _sum_partials(ps_ptr, pq_ptr, cols, cmask, C, P, BLOCK_C: tl.constexpr):
+    "The `P` rows of partial sums at `ps_ptr` and `pq_ptr` added in order, for the last program (`volatile` loads)"
+    s = tl.zeros([BLOCK_C], dtype=ps_ptr.dtype.element_ty)
+    q = tl.zeros([BLOCK_C], dtype=ps_ptr.dtype.element_ty)
+    for p in range(0, P):
+        s += tl.load(ps_ptr + p * C + cols, mask=cmask, other=0, volatile=True)
+        q += tl.load(pq_ptr + p * C + cols, mask=cmask, other=0, volatile=True)
+    return s, q
+
 # %% ../nbs/20_triton_kernels.ipynb #e9876aba
 @triton.jit
 def _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
@@ -63,11 +73,7 @@ def _stats(x_ptr, ps_ptr, pq_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, mean_ptr, var_p
     tl.store(ps_ptr + pid_m * C + cols, tl.sum(acc_s, axis=0), mask=cmask)
     tl.store(pq_ptr + pid_m * C + cols, tl.sum(acc_q, axis=0), mask=cmask)
     if _last_program(lock_ptr + pid_c, P):
-        s = tl.zeros([BLOCK_C], dtype=eps.dtype)
-        q = tl.zeros([BLOCK_C], dtype=eps.dtype)
-        for p in range(0, P):
-            s += tl.load(ps_ptr + p * C + cols, mask=cmask, other=0, volatile=True)
-            q += tl.load(pq_ptr + p * C + cols, mask=cmask, other=0, volatile=True)
+        s, q = _sum_partials(ps_ptr, pq_ptr, cols, cmask, C, P, BLOCK_C)
         md = s / M
         # the shift loaded again: kept live across the loop, it cost some specializations a stack frame (sm_80)
         mean = tl.load(x_ptr + cols, mask=cmask, other=0).to(eps.dtype) + md
@@ -247,11 +253,7 @@ def _bwd_sums(g_ptr, x_ptr, mean_ptr, invstd_ptr, scale_ptr, shift_ptr, res_ptr,
     tl.store(ps_ptr + pid_m * C + cols, tl.sum(acc_s, axis=0), mask=cmask)
     tl.store(pq_ptr + pid_m * C + cols, tl.sum(acc_q, axis=0), mask=cmask)
     if _last_program(lock_ptr + pid_c, P):
-        s = tl.zeros([BLOCK_C], dtype=mean.dtype)
-        q = tl.zeros([BLOCK_C], dtype=mean.dtype)
-        for i in range(0, P):
-            s += tl.load(ps_ptr + i * C + cols, mask=cmask, other=0, volatile=True)
-            q += tl.load(pq_ptr + i * C + cols, mask=cmask, other=0, volatile=True)
+        s, q = _sum_partials(ps_ptr, pq_ptr, cols, cmask, C, P, BLOCK_C)
         invstd = tl.load(invstd_ptr + cols, mask=cmask, other=0)
         sdx = q * invstd
         tl.store(sdz_ptr + cols, s, mask=cmask)

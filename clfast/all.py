@@ -3,6 +3,7 @@
 from .core import *
 from .amp import *
 from .callback import *
+from .graphs import *
 from .audit import *
 from .fused import *
 from .fuse import *

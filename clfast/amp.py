@@ -264,7 +264,8 @@ def one_batch(self:Learner, i, b):
     try: return _fastai_one_batch(self, i, b)
     except BaseException:
         for cb in self.cbs:
-            if isinstance(cb, MixedPrecision): cb.interrupted()
+            # clfast's callbacks that hold state for the length of a step or a fit (MixedPrecision, CudaGraphs) let go of it
+            if callable(getattr(type(cb), 'interrupted', None)): cb.interrupted()
         raise
 
 # %% ../nbs/01_amp.ipynb #432fb6fb

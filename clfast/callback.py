@@ -21,6 +21,7 @@ from .amp import MixedPrecision, amp_mode_of, _amp_cbs, _model_device
 from .fused import MODES
 from .fuse import fuse_conv_bn, unfuse_conv_bn, is_fused, fusion_report
 from .guard import guard_model, unguard_model, model_device
+from .graphs import CudaGraphs
 
 # %% auto #0
 __all__ = ['fuse_mode', 'ChannelsLast']
@@ -39,7 +40,7 @@ def _fuse(model:nn.Module, mode:str):
     "Fuse `model` in `mode`, saying so when that fused nothing"
     fuse_conv_bn(model, mode)
     report = fusion_report(model)
-    if report is not None and not report.fused:
+    if report is not None and not report.fused and not is_fused(model):   # a mode switch fuses nothing new
         why = f" (first skipped: {report.skipped[0][0]}: {report.skipped[0][1]})" if report.skipped else " (it has no conv followed by a BatchNorm2d)"
         warnings.warn(f"fuse={mode!r} fused nothing in this model{why}; `fusion_report(learn.model)` lists every reason.",
                       ClfastWarning, stacklevel=3)
@@ -107,25 +108,32 @@ def to_channelslast(self:Learner,
     amp_mode:str|AMPMode|None=None, # Mixed Precision training mode, fp16 (shown: fastai's default) or bf16; not given, an attached `MixedPrecision` is kept
     *,
     fuse:str|bool=False, # Fuse conv-BN(-ReLU)(+add) blocks: 'speed', 'memory' or False (unfuses a fused model)
+    graphs:bool=False, # Train a CUDA model from CUDA graphs (`CudaGraphs`): each steady step replayed, not issued op by op
+    compile:bool|dict|None=None, # `torch.compile` the model in place: True or compile's keyword arguments; False undoes it; None leaves it
     auto:bool=False, # Measure this model on its batches (`format_find`) and apply the fastest setup that trains the same
     **kwargs
 ):
     "Set `Learner` and inputs to `channels_last` format and float16 Mixed Precision by default"
     explicit = amp_mode is not None or bool(kwargs)
     if amp_mode is None: amp_mode = AMPMode.FP16
+    if graphs and compile not in (None, False):
+        raise ValueError("to_channelslast: graphs=True replays eager steps, and a compiled model's CUDA graphs are "
+                         "torch.compile's own (compile=dict(mode='reduce-overhead')): choose one.")
     if auto:
-        if explicit or fuse is not False or not use_amp:
-            raise ValueError("to_channelslast(auto=True) chooses the format, precision and fuse mode itself: drop "
-                             "use_amp/amp_mode/fuse/GradScaler arguments, or drop auto=True.")
+        if explicit or fuse is not False or not use_amp or graphs or compile is not None:
+            raise ValueError("to_channelslast(auto=True) chooses the format, precision, fuse mode, graphs and compile "
+                             "itself: drop use_amp/amp_mode/fuse/graphs/compile/GradScaler arguments, or drop auto=True.")
         from clfast.finder import auto_setup
         return auto_setup(self)
     amp_mode, fuse = amp_mode_of(amp_mode), fuse_mode(fuse)
     new_amp = MixedPrecision(amp_mode, **kwargs) if use_amp else None   # its arguments checked before anything changes
-    self.remove_cbs(_find_cbs(self, fastai_cl.ChannelsLast, ChannelsLast))
+    self.remove_cbs(_find_cbs(self, fastai_cl.ChannelsLast, ChannelsLast, CudaGraphs))
     self.add_cb(ChannelsLast(fuse=fuse))
+    if graphs: self.add_cb(CudaGraphs())
     if fuse: _fuse(unguard_model(self.model), fuse)       # now, so that mode switches and `fusion_report` apply at once
     elif is_fused(self.model): unfuse_conv_bn(self.model)
     guard_model(self.model, _model_device(self))   # for where it will train; `before_fit` decides again
+    compile_model(self.model, compile)
     old = _find_cbs(self, MixedPrecision, fastai_fp16.MixedPrecision)
     if not use_amp or (old and not explicit):   # keep what is attached, as clfast's device-aware callback
         for cb in _find_cbs(self, fastai_fp16.MixedPrecision):
@@ -148,7 +156,7 @@ def to_contiguous(self:Learner,
     unfuse_conv_bn(unguard_model(self.model))
     model_to(self.model, channels_last=False)
     opt_state_to(self.opt, channels_last=False)
-    self.remove_cbs(_find_cbs(self, ChannelsLast, fastai_cl.ChannelsLast))
+    self.remove_cbs(_find_cbs(self, ChannelsLast, fastai_cl.ChannelsLast, CudaGraphs))
     if to_fp32: self.to_fp32()
     return self
 

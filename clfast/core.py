@@ -12,7 +12,8 @@ import math
 
 # %% auto #0
 __all__ = ['ClfastWarning', 'fastai_signature', 'cl_format', 'is_ambiguous', 'is_channels_last', 'is_image_tensor',
-           'to_channels_last', 'to_contiguous_format', 'model_to', 'opt_state_to', 'has_conv']
+           'to_channels_last', 'to_contiguous_format', 'model_to', 'opt_state_to', 'has_conv', 'compile_model',
+           'is_compiled']
 
 # %% ../nbs/00_core.ipynb #cba6e088
 class ClfastWarning(UserWarning):
@@ -95,3 +96,14 @@ def opt_state_to(opt, channels_last:bool=True):
 def has_conv(model:nn.Module) -> bool:
     "True when `model` has a convolution, the only layers channels-last speeds up directly"
     return any(isinstance(o, nn.modules.conv._ConvNd) for o in model.modules())
+
+# %% ../nbs/00_core.ipynb #c0mp11e1
+def compile_model(model:nn.Module, how:bool|dict|None) -> nn.Module:
+    "`torch.compile` `model` in place (`nn.Module.compile`: its `state_dict` keys and every reference to it unchanged) if `how` is True or compile's keyword arguments; undo it if False; leave it if None"
+    if how is False: model._compiled_call_impl = None   # what `nn.Module.compile` sets: torch has no public way back
+    elif how is not None: model.compile(**({} if how is True else dict(how)))
+    return model
+
+def is_compiled(model:nn.Module) -> bool:
+    "Whether `model` was compiled in place (`nn.Module.compile`)"
+    return getattr(model, '_compiled_call_impl', None) is not None

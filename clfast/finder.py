@@ -19,6 +19,7 @@ from .amp import cpu_amp_speed, FAST_ENOUGH, _DTYPE_NAMES
 from .fuse import fuse_conv_bn, unfuse_conv_bn
 from .guard import guard_model, unguard_model
 from .check import grad_error
+from .graphs import GraphedForward
 
 # %% auto #0
 __all__ = ['BASELINE', 'NUMERICS_SLACK', 'FP32_FLOOR', 'Setup', 'fast_dtypes', 'default_setups', 'measure_setups', 'plot_setups',
@@ -27,17 +28,19 @@ __all__ = ['BASELINE', 'NUMERICS_SLACK', 'FP32_FLOOR', 'Setup', 'fast_dtypes', '
 # %% ../nbs/30_finder.ipynb #ca5237ea
 @dataclass(frozen=True)
 class Setup:
-    "One way to train: memory format, autocast dtype (None for fp32), fuse mode, torch.compile"
+    "One way to train: memory format, autocast dtype (None for fp32), fuse mode, torch.compile, CUDA graphs"
     channels_last: bool = True
     dtype: torch.dtype|None = None
     fuse: str|None = None
     compile: bool = False
+    graphs: bool = False
 
     @property
     def name(self) -> str:
         parts = ['channels-last' if self.channels_last else 'contiguous', _DTYPE_NAMES[self.dtype or torch.float32]]
         if self.fuse: parts.append(f"fuse={self.fuse}")
         if self.compile: parts.append('compiled')
+        if self.graphs: parts.append('graphs')
         return ' '.join(parts)
 
 BASELINE = Setup(channels_last=False)
@@ -51,11 +54,13 @@ def fast_dtypes(device:torch.device|str) -> list:
         return [torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported(including_emulation=False) else [])
     return []
 
-def default_setups(device:torch.device|str, compile:bool=False) -> list:
-    "Contiguous fp32 (the baseline), then channels-last in each precision x fuse (off, 'speed', 'memory')"
-    res = [BASELINE]
+def default_setups(device:torch.device|str, compile:bool=False, graphs:bool|None=None) -> list:
+    "Contiguous fp32 (the baseline), then channels-last in each precision x fuse (off, 'speed', 'memory'); optionally compiled; on CUDA also from CUDA graphs"
+    res, device = [BASELINE], torch.device(device)
+    if graphs is None: graphs = device.type == 'cuda'
     for dtype in [None] + fast_dtypes(device):
         res += [Setup(True, dtype, fuse) for fuse in (None, 'speed', 'memory')]
+        if graphs: res += [Setup(True, dtype, fuse, graphs=True) for fuse in (None, 'speed')]
         if compile: res.append(Setup(True, dtype, None, compile=True))
     return res
 
@@ -67,6 +72,14 @@ def _saved_bytes(params:set, store:dict):
         return t
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
+def _graphed(model:nn.Module, device:torch.device) -> GraphedForward:
+    "`model`'s forward from CUDA graphs, captured at its first call (the finder's untimed step); raises where it cannot be"
+    def refuse(why): raise RuntimeError(f"no CUDA graphs: {why}")
+    if device.type != 'cuda': refuse(f"they need a CUDA model, and this one is on {device}")
+    res = GraphedForward(model, warm=0, say=refuse)
+    if res.why: refuse(res.why)
+    return res
+
 class _Trainer:
     "One setup's model copy and optimizer, stepping on given batches"
     def __init__(self, setup:Setup, model:nn.Module, loss_func, make_opt, device):
@@ -76,7 +89,9 @@ class _Trainer:
         else: unfuse_conv_bn(self.model)          # the learner's model may be fused already
         model_to(self.model, channels_last=setup.channels_last)
         if setup.channels_last: guard_model(self.model)   # as to_channelslast does: no known-bad kernel is timed
+        # a graphed setup captures on its first (untimed, judged) step: what it measures and judges is the replay
         self.fwd = torch.compile(self.model) if setup.compile else self.model
+        if setup.graphs: self.fwd = _graphed(self.model, self.device)
         self.loss_func, self.opt = loss_func, make_opt(self.model)
         self.params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self.times, self.losses, self.memory = [], [], 0
@@ -259,7 +274,9 @@ def _table(setups, trainers, errors, bs, device) -> pd.DataFrame:
                          grad_error=tr.grad_error if ok else math.nan,
                          stock_grad_error=tr.stock_grad_error if ok else math.nan,
                          grad_batch=tr.grad_batch if ok else -1,
-                         steps=len(tr.times) if ok else 0, error=errors.get(s, '')))
+                         steps=len(tr.times) if ok else 0,
+                         # the untimed first step: where compile compiles and a graphed setup captures
+                         first_step_s=tr.warm if ok else math.nan, error=errors.get(s, '')))
     df = pd.DataFrame(rows).set_index('setup')
     df.attrs['setups'] = {s.name: s for s in setups}
     df.attrs['device'] = str(device)
@@ -342,12 +359,12 @@ def best_setup(df:pd.DataFrame) -> tuple:
 # %% ../nbs/30_finder.ipynb #a529c3f5
 def apply_setup(learn:Learner, setup:Setup, why:str='') -> Learner:
     "Set `learn` up as `setup` says, through `to_channelslast` / `to_contiguous`, printing `why`"
-    if setup.compile: warnings.warn("format_find: torch.compile is not applied by clfast; compile the model yourself.")
     learn.to_fp32()
     if not setup.channels_last: learn.to_contiguous()
     else:
         mode = {torch.bfloat16: 'bf16', torch.float16: 'fp16'}.get(setup.dtype)
-        learn.to_channelslast(use_amp=mode is not None, amp_mode=mode or 'fp16', fuse=setup.fuse or False)
+        learn.to_channelslast(use_amp=mode is not None, amp_mode=mode or 'fp16', fuse=setup.fuse or False,
+                              graphs=setup.graphs, compile=setup.compile or None)
     if why: print(f"to_channelslast(auto=True): {why}")
     return learn
 

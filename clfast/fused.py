@@ -96,9 +96,10 @@ def layer_ways() -> dict:
     return {**MachineCache(LAYER_WAY_CACHE).entries(), **{str(k): v for k, v in _ways.items()}}
 
 def _traced(x:Tensor) -> bool:
-    "Whether this call is traced (torch.compile, export, jit.trace) or under a dispatch mode: nothing there can be timed"
+    "Whether this call is traced (torch.compile, export, jit.trace, a CUDA graph) or under a dispatch mode: nothing there can be timed"
     return (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._is_torch_function_mode_enabled() or type(x) is not Tensor)
+            or torch._C._is_torch_function_mode_enabled() or type(x) is not Tensor
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing()))   # a CUDA graph's capture (`clfast.graphs`)
 
 @functools.lru_cache(maxsize=None)
 def _gpu_name(index:int|None) -> str: return torch.cuda.get_device_name(index)   # once: the key is made every call

@@ -1,0 +1,198 @@
+"""CUDA graphs (`CudaGraphs`, `to_channelslast(graphs=True)`) and `to_channelslast(compile=...)`: the switches and the
+fallbacks everywhere; capture, replay and the numerics of a replayed step on a CUDA GPU"""
+import math, warnings
+import pytest, torch
+from torch import nn
+from fastai.vision.all import Learner, CrossEntropyLossFlat, Adam, Callback, set_seed
+from clfast.all import *
+from clfast.core import ClfastWarning, is_compiled
+from clfast.graphs import GraphedForward, not_graphable
+from clfast.finder import Setup, BASELINE
+from helpers import image_dls, conv_net, tiny_learner
+
+def _fit(learn, *cbs, epochs=1):
+    with learn.no_logging(), learn.no_bar(): learn.fit(epochs, 1e-3, cbs=list(cbs))
+
+def _clfast_warnings(rec): return [str(w.message) for w in rec if issubclass(w.category, ClfastWarning)]
+
+def test_cpu_model_trains_eagerly_and_says_why_once():
+    "graphs=True on a CPU learner: one message, then the same training as without it (bit for bit), nothing left behind"
+    params = []
+    for graphs in (False, True):
+        set_seed(0)
+        learn = tiny_learner().to_channelslast(use_amp=False, graphs=graphs)
+        set_seed(1)   # after any probe that drew random numbers: the same shuffles either way
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter('always')
+            _fit(learn, epochs=2)
+        said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+        assert said == ([] if not graphs else
+                        ["CudaGraphs: CUDA graphs need a model on a CUDA GPU, and this one is on cpu; training eagerly."])
+        assert 'forward' not in learn.model.__dict__
+        params.append([p.detach().clone() for p in learn.model.parameters()])
+    for a, b in zip(*params): assert torch.equal(a, b)
+    assert learn.cuda_graphs.captured == 0
+
+def test_switches():
+    learn = tiny_learner()
+    with pytest.raises(ValueError, match='choose one'): learn.to_channelslast(graphs=True, compile=True)
+    with pytest.raises(ValueError, match=r'auto=True\) chooses'): learn.to_channelslast(auto=True, graphs=True)
+    with pytest.raises(ValueError, match=r'auto=True\) chooses'): learn.to_channelslast(auto=True, compile=True)
+    assert not hasattr(learn, 'channels_last')   # a refused call changes nothing
+    learn.to_channelslast(graphs=True).to_channelslast(graphs=True)
+    assert sum(isinstance(c, CudaGraphs) for c in learn.cbs) == 1
+    learn.to_channelslast()                      # graphs=False: the callback goes
+    assert not any(isinstance(c, CudaGraphs) for c in learn.cbs)
+    learn.to_channelslast(graphs=True).to_contiguous()
+    assert not any(isinstance(c, CudaGraphs) for c in learn.cbs)
+
+def test_not_graphable_says_why():
+    m = conv_net()
+    assert not_graphable(m) is None
+    assert 'DataParallel' in not_graphable(nn.DataParallel(m))
+    h = m[1][0].register_forward_pre_hook(lambda mod, args: None)
+    assert not_graphable(m) == "module 1.0 (Conv2d) has hooks, which a replayed graph would not call"
+    h.remove()
+    h = torch.nn.modules.module.register_module_forward_hook(lambda mod, args, out: None)
+    try: assert 'global module hooks' in not_graphable(m)
+    finally: h.remove()
+    m[0][1].momentum = None
+    assert not_graphable(m) == "module 0.1 is a BatchNorm with momentum=None, which reads its step count on the host"
+    m[0][1].momentum = 0.1
+    m.compile()
+    assert 'compiled' in not_graphable(m)
+
+def test_graphed_forward_passes_cpu_calls_through():
+    m = conv_net().train()
+    g = GraphedForward(m, warm=0)
+    x = torch.randn(2, 3, 8, 8)
+    torch.manual_seed(0); out = g(x)
+    assert out.shape == (2, 2) and g.graphs == {}
+    m.eval()
+    assert torch.equal(g(x), m(x))
+
+def test_finder_graphed_setup_on_cpu_is_a_failed_row():
+    "A graphed setup on a CPU model: its row says why, the others are measured"
+    learn = tiny_learner()
+    df = learn.format_find(setups=[BASELINE, Setup(graphs=True)], n_batches=2, show_plot=False)
+    row = df.loc['channels-last fp32 graphs']
+    assert row.steps == 0 and 'no CUDA graphs' in row.error and 'on cpu' in row.error
+    assert df.loc['contiguous fp32', 'error'] == '' and df.loc['contiguous fp32', 'steps'] >= 1
+    assert 'first_step_s' in df.columns and df.loc['contiguous fp32', 'first_step_s'] > 0
+
+def _fp64_grads(model, xb, yb):
+    "The exact (fp64) gradients of the loss at `model`'s current weights, BN in training mode on the batch"
+    import copy
+    ref = copy.deepcopy(model).double().to(memory_format=torch.contiguous_format)
+    from clfast.fuse import unfuse_conv_bn
+    unfuse_conv_bn(ref)
+    ref.train()
+    nn.functional.cross_entropy(ref(xb.double().contiguous()), yb).backward()
+    return {n: p.grad for n, p in ref.named_parameters()}
+
+def test_compile_fused_model_in_place_trains():
+    """compile=True compiles the learner's model in place (same object, same state_dict keys) and a fused model trains
+    under it (clfast's ops through their fakes): a compiled step's gradients against fp64; compile=False undoes it"""
+    from clfast.check import grad_error
+    torch.manual_seed(0)
+    learn = tiny_learner()
+    model, keys = learn.model, list(learn.model.state_dict())
+    learn.to_channelslast(use_amp=False, fuse='speed', compile=True)
+    assert learn.model is model and is_compiled(model) and list(model.state_dict()) == keys
+    errors = []
+    class Exact(Callback):   # the first training step's gradients against fp64 at the same weights
+        order = 20
+        def before_batch(self):
+            if self.training and not errors: self.ref = _fp64_grads(self.model, self.x, self.y)
+        def after_backward(self):
+            if self.training and not errors:
+                errors.append(grad_error({n: p.grad for n, p in self.model.named_parameters()}, self.ref))
+    _fit(learn, Exact())
+    assert errors and errors[0] < 1e-3            # fp32 through the compiled fused ops: fp32's error, not a wrong one
+    assert learn.recorder.losses and all(math.isfinite(l) for l in learn.recorder.losses)
+    learn.to_channelslast(use_amp=False, fuse='speed', compile=False)
+    assert not is_compiled(model)
+
+# ---- on a CUDA GPU ----
+
+def _cuda_learner(n=160, bs=16, **kw):
+    "A CUDA learner whose training epoch has 7 full batches (steady: captured after WARM_STEPS) and a short last one"
+    learn = Learner(image_dls(n=n, bs=bs), conv_net(), loss_func=CrossEntropyLossFlat(), opt_func=Adam, **kw)
+    learn.dls.cuda(); learn.model.cuda()
+    return learn
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('fuse', [False, 'speed'])
+@pytest.mark.parametrize('amp_mode', ['fp16', 'bf16'])
+def test_graphed_fit_trains_as_eager(fuse, amp_mode):
+    """A graphed fit captures the steady training shape once, replays it, and trains as the eager fit does: BN's running
+    statistics (each batch counted once, none by the capture's warm-up) and the weights, to what the precision explains"""
+    runs = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        learn = _cuda_learner().to_channelslast(amp_mode=amp_mode, fuse=fuse, graphs=graphs)
+        counted = []
+        class Count(Callback):
+            order = 20
+            def after_batch(self):
+                if self.training and graphs: counted.append(learn.cuda_graphs.captured)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter('always')
+            _fit(learn, Count(), epochs=2)
+        assert not [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+        if graphs: assert counted[-2] == 1 and counted[0] == 0   # eager while warming, replayed once steady
+        bn = learn.model[0][1]
+        runs.append((bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.item(),
+                     [p.detach().float().clone() for p in learn.model.parameters()], learn.recorder.losses))
+    (m0, v0, n0, p0, l0), (m1, v1, n1, p1, l1) = runs
+    assert n0 == n1 == 16
+    eps = {'fp16': 2**-10, 'bf16': 2**-7}[amp_mode] * 8
+    assert torch.allclose(m0, m1, rtol=eps, atol=eps) and torch.allclose(v0, v1, rtol=eps, atol=eps)
+    for a, b in zip(p0, p1): assert torch.allclose(a, b, rtol=eps, atol=eps * a.abs().max().item())
+    assert len(l0) == len(l1)
+
+@pytest.mark.cuda
+def test_replayed_step_gradients_against_fp64():
+    "The gradients of a step replayed from a graph (fp32, fused), against fp64 at the same weights"
+    from clfast.check import grad_error
+    learn = _cuda_learner().to_channelslast(use_amp=False, fuse='speed', graphs=True)
+    errors = []
+    class Exact(Callback):
+        order = 20
+        def before_batch(self):
+            if self.training and learn.cuda_graphs.captured: self.ref = _fp64_grads(self.model, self.x, self.y)
+        def after_backward(self):
+            if self.training and learn.cuda_graphs.captured and self.x.shape[0] == 16:
+                errors.append(grad_error({n: p.grad for n, p in self.model.named_parameters()}, self.ref))
+    _fit(learn, Exact())
+    assert errors and max(errors) < 1e-3
+
+@pytest.mark.cuda
+def test_shape_change_and_hooks_train_eagerly():
+    m = conv_net().cuda().train().to(memory_format=torch.channels_last)
+    g = GraphedForward(m, warm=1)
+    x = torch.randn(16, 3, 16, 16, device='cuda').to(memory_format=torch.channels_last)
+    for _ in range(3): g(x).sum().backward()
+    assert len(g.graphs) == 1
+    m.eval(); ref = m(x[:4]); m.train()
+    out = g(x[:4])                                 # another shape: eager (one graph at most)
+    assert len(g.graphs) == 1 and out.shape == (4, 2)
+    learn = _cuda_learner()
+    learn.model[1][0].register_forward_hook(lambda mod, args, out: None)
+    learn.to_channelslast(graphs=True)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        _fit(learn)
+    said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+    assert said == ["CudaGraphs: module 1.0 (Conv2d) has hooks, which a replayed graph would not call; training eagerly."]
+    assert learn.cuda_graphs.captured == 0 and all(math.isfinite(l) for l in learn.recorder.losses)
+
+@pytest.mark.cuda
+def test_finder_measures_graphed_setups():
+    "On CUDA the finder measures graphed setups and judges their gradients against fp64 as any other's"
+    learn = _cuda_learner()
+    graphed = [Setup(dtype=torch.bfloat16, graphs=True), Setup(dtype=torch.float16, fuse='speed', graphs=True)]
+    df = learn.format_find(setups=[BASELINE, *graphed], n_batches=4, show_plot=False)
+    for s in graphed:
+        row = df.loc[s.name]
+        assert row.error == '' and row.steps == 4 and row.first_step_s > 0

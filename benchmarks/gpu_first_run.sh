@@ -1,36 +1,50 @@
 #!/usr/bin/env bash
-# The first thing to run where a GPU is lent (BENCHMARKS.md, "The first GPU run"): the CUDA tests (the Triton kernels
-# against the fp64 oracle, and the offline compile report's registers against the GPU's own JIT), the kernel
-# benchmarks (BN+act(+add) forward+backward, fused vs stock: the memory-traffic model's prediction to confirm), and
-# resnet50 AMP training, contiguous vs channels-last vs fused, in fp16 and in bf16.
+# The one GPU script (BENCHMARKS.md, "The first GPU run"), inside one device call of 10 minutes: the CUDA tests (the
+# Triton kernels and CUDA graphs against fp64, the offline compile report against the GPU's own JIT), then training
+# through fastai's own `Learner.fit` (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64,
+# bf16 and fp16, every setup issue 34 names; the table last), then, if time is left, the kernel benchmarks.
 #
-#   bash benchmarks/gpu_first_run.sh [OUT]   # PYTHON=python3, STEP_TIMEOUT=0 (none) by default; each step's output in OUT/
+#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: tests fit kernels (default: all three, in that order)
 #
-# Steps run in order and each is logged, whatever the one before did; the exit status is the number of failed steps.
+# BUDGET (seconds, 540) bounds the whole run; TESTS_S (200) the tests. fastai travels as wheels in .whl/
+# (tools/gpu_wheels.sh), installed here into /tmp/site when fastai is missing. The C++ CPU library (which the fused
+# op's autograd node uses on CUDA too, where it is built) builds in the background meanwhile. Each step is logged in
+# OUT/ whatever the one before did; the exit status is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-OUT=${1:-gpu_first_run}
+OUT=${1:-gpu_first_run}; shift || true
+STEPS=${*:-tests fit kernels}
+BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-200}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ! "$PY" -c 'import fastai' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 failed=0
-STEP_TIMEOUT=${STEP_TIMEOUT:-0}   # seconds per step (0: none), so that one hung step leaves time for the rest
-step() {
-  local name=$1; shift
-  echo "== $name: $*"
-  timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$OUT/$name.txt"
+left() { echo $((BUDGET - SECONDS)); }
+step() {   # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "== $name (at most ${limit}s): $*"
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
   local rc=${PIPESTATUS[0]}
-  echo "== $name: exit $rc"
+  echo "== $name: exit $rc after ${SECONDS}s in all"
   [ "$rc" = 0 ] || failed=$((failed + 1))
 }
-step env "$PY" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__); \
-print(torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability(), \
+step env 60 "$PY" -c "import torch, triton, fastai; print('torch', torch.__version__, 'triton', triton.__version__, \
+'fastai', fastai.__version__); print(torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability(), \
 torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
-step build "$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))"
-step cuda-tests "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/
-step kernels "$PY" benchmarks/bench_kernels.py --device cuda
-for dt in float16 bfloat16; do
-  step "resnet50-amp-$dt" "$PY" benchmarks/bench_fused.py --sections gpu --gpu-dtype "$dt"
+"$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))" >"$OUT/build.txt" 2>&1 &
+for s in $STEPS; do
+  case $s in
+    tests) step cuda-tests "$(( $(left) < TESTS_S ? $(left) : TESTS_S ))" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/ ;;
+    fit) step fit "$(left)" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 30 ))" ;;
+    kernels) [ "$(left)" -gt 60 ] && step kernels "$(( $(left) - 5 ))" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
+    *) echo "unknown step $s (tests, fit, kernels)"; failed=$((failed + 1)) ;;
+  esac
 done
-echo "== $failed step(s) failed; logs in $OUT/"
+wait
+echo "== build: $(tail -1 "$OUT/build.txt")"
+echo "== $failed step(s) failed in ${SECONDS}s; logs in $OUT/"
 exit "$failed"

@@ -14,7 +14,7 @@ import argparse, copy, statistics
 import torch
 from torch import nn
 from clfast.bn import make_precise
-from clfast.guard import paired_ratio
+from clfast.timing import paired_ratio   # fixed pairs: a figure, not a decision
 from clfast.machine import cpu_name, machine_key
 
 SHAPES = [(8, 64, 64, 64), (8, 64, 32, 32), (8, 256, 32, 32), (8, 128, 16, 16), (8, 512, 16, 16), (8, 1024, 8, 8),

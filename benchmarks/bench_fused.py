@@ -332,8 +332,9 @@ def section_pointwise(args):
     print(f"\n## to_channelslast training step (batch {args.bs}, {args.px} px), squeeze-excite convs as the conv / as "
           f"products (premise {SLOW_POINTWISE_MAPS.name} {'held' if SLOW_POINTWISE_MAPS.present() else 'did not hold'} here)")
     def set_route(on:bool) -> bool:   # a `with_setting` switch: the premise as read per call, forced
-        before = guard._PREMISES_HERE[SLOW_POINTWISE_MAPS.name]
-        guard._PREMISES_HERE[SLOW_POINTWISE_MAPS.name] = on
+        from clfast import timing
+        key = f'premise:{SLOW_POINTWISE_MAPS.name}'
+        before, timing._here[key] = timing._here[key], on   # this process's answer (a bool as a numerics premise's)
         return before
     amps = cpu_amps(args)
     for name in (args.models if args.models_given else ('efficientnet_b0', 'mobilenetv3_large_100', 'regnety_016')):

@@ -21,9 +21,10 @@ def fwd(m, way=None, n=500):
             for _ in range(n): m(x)
         if way: F_.set_layer_way(prev)
     return f
-F_._ways.clear()
+from clfast import timing
+F_._ways.clear(); timing._here.clear()
 fns = {'stock modules': fwd(stock), 'fused, way stock': fwd(fused, 'stock'), 'fused, timed->stock': fwd(fused, 'timed')}
-F_._timed_way = lambda *a: 'stock'
+F_.decide = lambda key, measure: timing.Timing(0.5, 6, True, 0.)   # 'timed' chose stock (nothing measured or cached)
 for f in fns.values(): f()
 res = {k: [] for k in fns}
 for r in range(9):

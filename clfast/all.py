@@ -8,6 +8,7 @@ from .audit import *
 from .fused import *
 from .fuse import *
 from .guard import *
+from .timing import timings, forget_timings
 from .check import conv_geometries, check_geometries, check_channelslast
 from .finder import Setup, measure_setups, best_setup, bench_model, plot_setups
 from .act import ACTS, act_of, get_act

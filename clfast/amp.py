@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_amp.ipynb #a9c45545
 from __future__ import annotations
-import inspect, math, statistics, time, warnings
+import inspect, math, time, warnings
 import torch
 from torch import nn
 from torch.amp import GradScaler, autocast
@@ -17,11 +17,12 @@ from fastai.torch_core import to_float
 from fastai.learner import Learner
 from .core import ClfastWarning
 from .machine import MachineCache
+from .timing import MARGIN, MAX_PAIRS, Timing, time_pair, decide, forget_timings
 from .guard import model_device
 
 # %% auto #0
-__all__ = ['FAST_ENOUGH', 'MAX_PAIRS', 'amp_mode_of', 'cpu_native_dtypes', 'measure_cpu_amp', 'cpu_amp_speed', 'resolve_amp',
-           'cpu_fp32_fallbacks', 'MixedPrecision']
+__all__ = ['amp_mode_of', 'cpu_native_dtypes', 'measure_cpu_amp', 'cpu_amp_speed', 'resolve_amp', 'cpu_fp32_fallbacks',
+           'MixedPrecision']
 
 # %% ../nbs/01_amp.ipynb #9bd0fd86
 def amp_mode_of(amp_mode:str|AMPMode) -> AMPMode:
@@ -43,8 +44,6 @@ def cpu_native_dtypes() -> set:
     return res
 
 # %% ../nbs/01_amp.ipynb #b3d34d9f
-FAST_ENOUGH = 0.9   # a half precision is used on a CPU only if its probe step takes at most this fraction of fp32's
-MAX_PAIRS = 30      # the probe's most fp32/half pairs before it calls the two a tie
 _DTYPE_NAMES = {torch.bfloat16: 'bf16', torch.float16: 'fp16', torch.float32: 'fp32'}
 
 def _probe_net() -> tuple:
@@ -62,40 +61,22 @@ def _probe_step(net:nn.Module, x, dtype) -> float:
     out.float().square().mean().backward()
     return time.perf_counter() - t0
 
-def _sign_test(below:int, n:int) -> float:
-    "One-sided binomial tail: the chance of `below` or more of `n` fair coin flips landing one way"
-    return sum(math.comb(n, k) for k in range(below, n + 1)) / 2**n
-
-def measure_cpu_amp(dtype:torch.dtype, max_pairs:int=MAX_PAIRS, give_up:float=20.) -> dict:
-    "`{'ratio', 'pairs', 'decided'}`: the probe step's time under CPU autocast `dtype` over fp32's (median of alternating pairs, added until a sign test places it against `FAST_ENOUGH`)"
+def measure_cpu_amp(dtype:torch.dtype) -> Timing:
+    "The probe step under CPU autocast `dtype` timed against fp32's (`clfast.timing.time_pair`: its ratio, pairs and decision)"
     net, x = _probe_net()
-    t32, th = _probe_step(net, x, torch.float32), _probe_step(net, x, dtype)   # warm-up: oneDNN builds its kernels
-    if th > give_up * t32: return dict(ratio=th / t32, pairs=1, decided=True)
-    _probe_step(net, x, torch.float32); _probe_step(net, x, dtype)             # and the allocator its caches
-    ratios = []
-    while len(ratios) < max_pairs:
-        order = (torch.float32, dtype) if len(ratios) % 2 == 0 else (dtype, torch.float32)
-        t = {d: _probe_step(net, x, d) for d in order}
-        ratios.append(t[dtype] / t[torch.float32])
-        below = sum(r <= FAST_ENOUGH for r in ratios)
-        if min(_sign_test(below, len(ratios)), _sign_test(len(ratios) - below, len(ratios))) <= 0.025: break
-    n, below = len(ratios), sum(r <= FAST_ENOUGH for r in ratios)
-    decided = min(_sign_test(below, n), _sign_test(n - below, n)) <= 0.025
-    return dict(ratio=statistics.median(ratios), pairs=n, decided=decided)
+    _probe_step(net, x, torch.float32); _probe_step(net, x, dtype)   # oneDNN builds its kernels before anything is timed
+    return time_pair(lambda: _probe_step(net, x, torch.float32), lambda: _probe_step(net, x, dtype), give_up=20.)
 
 # %% ../nbs/01_amp.ipynb #e4d45e56
 def cpu_amp_speed(refresh:bool=False) -> dict:
     "`{dtype: probe step time / fp32's}` for bf16 and fp16 on this CPU: measured where native (cached per machine), `inf` where emulated, NaN where the probe could not tell it from fp32"
-    cache, res = MachineCache('cpu_amp'), {}
-    native = cpu_native_dtypes()
+    res, native = {}, cpu_native_dtypes()
     for dtype in (torch.bfloat16, torch.float16):
         if dtype not in native: res[dtype] = math.inf; continue
-        key = f"{_DTYPE_NAMES[dtype]}_step"   # earlier clfast cached a bare ratio of a tiny probe under the dtype's name
-        probe = None if refresh else cache.get(key)
-        if not isinstance(probe, dict):
-            probe = measure_cpu_amp(dtype)
-            cache.update({key: probe})
-        res[dtype] = probe['ratio'] if probe['decided'] else math.nan
+        key = f"amp:{_DTYPE_NAMES[dtype]}_step"
+        if refresh: forget_timings(key)
+        probe = decide(key, lambda: measure_cpu_amp(dtype))
+        res[dtype] = probe.ratio if probe.faster is not None else math.nan
     return res
 
 # %% ../nbs/01_amp.ipynb #dd580a9e
@@ -110,7 +91,7 @@ def _cpu_why(dtype, speed) -> str:
 def _cpu_choice(dtype, speed) -> torch.dtype:
     "`dtype` if it is fast here; fp16 falls back to bf16 if that is fast; else fp32"
     for cand in ((dtype, torch.bfloat16) if dtype == torch.float16 else (dtype,)):
-        if speed.get(cand, math.inf) <= FAST_ENOUGH: return cand
+        if speed.get(cand, math.inf) <= MARGIN: return cand
     return torch.float32
 
 # %% ../nbs/01_amp.ipynb #7f1b7825

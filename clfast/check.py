@@ -241,7 +241,11 @@ def _model_named(arch:str) -> nn.Module:
     raise ValueError(f"unknown --arch {arch!r}: give a timm model name (timm.list_models()) or a torchvision one")
 
 def main(a:argparse.Namespace):
-    "`clfast check`, given its options (`clfast.cli.check_parser`): the numerics self-check of a timm/torchvision model's convs on this machine"
+    "`clfast check`, given its options (`clfast.cli.check_parser`): the timed decisions, and the numerics self-check of a timm/torchvision model's convs on this machine"
+    from clfast.timing import report
+    print(report())
+    if a.arch is None: return 0
+    print()
     model = _model_named(a.arch)
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as w:

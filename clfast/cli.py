@@ -87,9 +87,11 @@ def bench_parser() -> argparse.ArgumentParser:
 
 def check_parser() -> argparse.ArgumentParser:
     "Options of `clfast check`"
-    p = _parser('clfast check', "The numerics self-check of a timm or torchvision model's convs on this machine: each "
-                "distinct conv geometry in channels-last against fp64, in a child process; failing ones are cached and guarded.")
-    p.add_argument('--arch', required=True, help="timm or torchvision model name, e.g. resnet50")
+    p = _parser('clfast check', "What clfast decided on this machine by timing (mixed precision, premises, fused or stock "
+                "per layer), with the measured ratios; with --arch, also the numerics self-check of a timm or torchvision "
+                "model's convs: each distinct conv geometry in channels-last against fp64, in a child process; failing "
+                "ones are cached and guarded.")
+    p.add_argument('--arch', help="timm or torchvision model name, e.g. resnet50 (default: only the timed decisions)")
     p.add_argument('--size', type=positive_int, default=224, help="input image size")
     p.add_argument('--channels', type=positive_int, default=3, help="input channels")
     p.add_argument('--precision', default='float32', choices=['float32', 'bfloat16', 'float16'])

@@ -15,7 +15,8 @@ from fastai.learner import Learner
 from fastai.torch_core import apply
 from fastprogress.fastprogress import progress_bar
 from .core import *
-from .amp import cpu_amp_speed, FAST_ENOUGH, _DTYPE_NAMES
+from .amp import cpu_amp_speed, _DTYPE_NAMES
+from .timing import MARGIN
 from .fuse import fuse_conv_bn, unfuse_conv_bn
 from .guard import guard_model, unguard_model
 from .check import grad_error
@@ -49,7 +50,7 @@ BASELINE = Setup(channels_last=False)
 def fast_dtypes(device:torch.device|str) -> list:
     "The half precisions worth trying on `device`: on a CPU those measured faster than fp32, on CUDA bf16 (if native) and fp16"
     device = torch.device(device)
-    if device.type == 'cpu': return [d for d,r in cpu_amp_speed().items() if r <= FAST_ENOUGH]
+    if device.type == 'cpu': return [d for d,r in cpu_amp_speed().items() if r <= MARGIN]
     if device.type == 'cuda':
         return [torch.float16] + ([torch.bfloat16] if torch.cuda.is_bf16_supported(including_emulation=False) else [])
     return []

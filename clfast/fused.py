@@ -4,21 +4,20 @@
 
 # %% ../nbs/23_fused.ipynb #19ec5d01
 from __future__ import annotations
-import copy, functools, statistics, time, warnings
+import copy, functools, warnings
 import torch, torch.distributed as dist, torch.nn.functional as F
 from torch import nn, Tensor
 from .act import ACTS, get_act, act_of
 from .ops import fused_conv_bn, kernels_ready, kernels_served, autocast_cast, autocast_dtype, no_autocast
 from .reference import ConvGeometry
 from .guard import GuardPlan, route, call_plan, guarded_conv, IMPRECISE_CL_BATCH_NORM
-from .machine import MachineCache
+from .timing import Timing, time_pair, decide, timings
 from .stock import AsStock
 from .bn import is_sync_bn, sync_group, bn_args, stock_class, _qual, _BN_ACT, _SYNC_BN_ACT
 
 # %% auto #0
-__all__ = ['MODES', 'LAYER_WAYS', 'LAYER_WAY_CACHE', 'STOCK_MARGIN', 'TIMED_ROUNDS', 'check_mode', 'conv_geometry', 'conv_bn_act',
-           'set_layer_way', 'layer_ways', 'FusedConvBN2d', 'PassThroughBN2d', 'PassThroughReLU', 'fusable_bn',
-           'pass_through']
+__all__ = ['MODES', 'LAYER_WAYS', 'check_mode', 'conv_geometry', 'conv_bn_act', 'set_layer_way', 'layer_ways', 'FusedConvBN2d',
+           'PassThroughBN2d', 'PassThroughReLU', 'fusable_bn', 'pass_through']
 
 # %% ../nbs/23_fused.ipynb #8f2ef1f6
 MODES = ('speed', 'memory')
@@ -80,9 +79,8 @@ def _stock_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
 
 # %% ../nbs/23_fused.ipynb #7c1d508b
 LAYER_WAYS = ('fused', 'stock', 'timed')
-LAYER_WAY_CACHE = 'layer_ways'   # the `MachineCache` of the choices timed here
 _layer_way = 'timed'
-_ways: dict[tuple, str] = {}      # this process's choices (by `_layer_key`), read from and added to the cache (by its str)
+_ways: dict[tuple, str] = {}      # this process's choices by `_layer_key`: the per-call path reads this, not `decide`'s cache
 
 def set_layer_way(how:str) -> str:
     "Run fused layers 'fused' (clfast's op), 'stock' (what `to_channelslast()` runs unfused) or 'timed' (the faster per layer shape, timed once per machine: the default); returns the previous setting"
@@ -93,7 +91,7 @@ def set_layer_way(how:str) -> str:
 
 def layer_ways() -> dict:
     "What 'timed' chose on this machine: `{layer shape: 'fused' or 'stock'}`"
-    return {**MachineCache(LAYER_WAY_CACHE).entries(), **{str(k): v for k, v in _ways.items()}}
+    return {k[len('layer:'):]: 'stock' if t.chosen else 'fused' for k, t in timings('layer:').items()}
 
 def _traced(x:Tensor) -> bool:
     "Whether this call is traced (torch.compile, export, jit.trace, a CUDA graph) or under a dispatch mode: nothing there can be timed"
@@ -119,12 +117,8 @@ def _way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_pa
     grad = torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad)
     key = _layer_key(x, conv, bn, residual, a, act_param, grad)
     if key not in _ways:
-        cache = MachineCache(LAYER_WAY_CACHE)
-        way = cache.get(str(key))
-        if way not in ('fused', 'stock'):
-            try: way = _timed_way(x, conv, bn, residual, a, act_param, grad)
-            except Exception as e: way = _untimed(conv, e)   # this process only: nothing was measured
-            else: cache.update({str(key): way})
+        try: way = 'stock' if decide(f"layer:{key}", lambda: _timed_way(x, conv, bn, residual, a, act_param, grad)).chosen else 'fused'
+        except Exception as e: way = _untimed(conv, e)   # this process only: nothing was measured
         _ways[key] = way
     return _ways[key]
 
@@ -135,13 +129,11 @@ def _untimed(conv:nn.Conv2d, e:Exception) -> str:
                   f"way ({type(e).__name__}: {e}); it runs fused", ClfastWarning, stacklevel=4)
     return 'fused'
 
-STOCK_MARGIN = 0.95   # the stock way is chosen when its median time is at most this fraction of the fused way's
-TIMED_ROUNDS = 5      # paired rounds after a warm-up; the stock way must also win in all but one
-
-def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, grad:bool) -> str:
-    """The faster way for this layer (forward, and backward where `grad`), timed on copies in interleaved rounds. On a
+def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, grad:bool) -> Timing:
+    """The stock way of this layer (forward, and backward where `grad`) timed against the fused one on copies
+    (`clfast.timing.time_pair`: stock is chosen where it is faster by the margin, at the sign test's confidence). On a
     busy machine two runs of one layer differ by 5-10%: a choice on a single median flipped resnet50's layers to stock
-    at random and cost 7% of its fp32 step. So stock must win clearly (`STOCK_MARGIN`) and consistently"""
+    at random and cost 7% of its fp32 step"""
     conv2, bn2 = copy.deepcopy((conv, bn))   # one copy: a surgically fused conv keeps its BN
     x2 = x.detach().requires_grad_(x.requires_grad)
     res2 = None if residual is None else residual.detach().requires_grad_(residual.requires_grad)
@@ -151,16 +143,8 @@ def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
             if grad: out.backward(torch.ones_like(out))
         return f
     geom = conv_geometry(conv)
-    fns = dict(fused=run(lambda *args: _fused_layer(*args, keep_y=True, geom=geom)), stock=run(_stock_layer))
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)   # a GPU's time is the host's and the device's
-    times = {k: [] for k in fns}
-    for r in range(1 + TIMED_ROUNDS):
-        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
-            sync(); t = time.perf_counter(); fns[k](); sync(); dt = time.perf_counter() - t
-            if r: times[k].append(dt)
-    wins = sum(s < f for s, f in zip(times['stock'], times['fused']))
-    clear = statistics.median(times['stock']) <= STOCK_MARGIN * statistics.median(times['fused'])
-    return 'stock' if clear and wins >= TIMED_ROUNDS - 1 else 'fused'
+    sync = torch.cuda.synchronize if x.is_cuda else None   # a GPU's time is the host's and the device's
+    return time_pair(run(lambda *args: _fused_layer(*args, keep_y=True, geom=geom)), run(_stock_layer), sync)
 
 # %% ../nbs/23_fused.ipynb #3bba664d
 class _FusedMixin(AsStock):

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_guard.ipynb #c062234c
 from __future__ import annotations
-import copy, statistics, time, weakref
+import copy, weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 import torch, torch.nn.functional as F
@@ -12,19 +12,19 @@ from torch import nn, Tensor
 from torch.torch_version import TorchVersion
 from torch._prims_common import suggest_memory_format
 from .machine import MachineCache, ISA_ORDER, _isa_of, onednn_isa   # (machine.py: the one place that reads the CPU)
+from .timing import Timing, time_pair, decide, forget_timings
 from .stock import AsStock
 from .bn import make_precise, imprecise_cl_batch_norm, can_be_precise, is_precise, is_sync_bn
 from .ops import kernels_ready, autocast_cast, autocast_dtype, no_autocast
 
 # %% auto #0
-__all__ = ['KNOWN_BAD_KERNELS', 'PREMISE_CACHE', 'SHORT_INPUT_FASTER', 'SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT',
-           'SLOW_BACKWARD_FASTER', 'SLOW_BF16_BACKWARD', 'SLOW_FP16_BACKWARD', 'POINTWISE_FASTER',
+__all__ = ['KNOWN_BAD_KERNELS', 'SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'SLOW_BF16_BACKWARD', 'SLOW_FP16_BACKWARD',
            'SLOW_POINTWISE_MAPS', 'CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM', 'MEASURED_KERNELS', 'BadKernel',
            'bad_kernels_for', 'GuardPlan', 'guard_acts', 'Route', 'route', 'premise', 'forget_premises',
-           'MeasuredKernel', 'weight_grad_in_nchw', 'paired_ratio', 'short_input_slower', 'may_meet_short_input',
-           'short_input_plan', 'reduced_backward_slower', 'may_meet_slow_backward', 'slow_backward_conv',
-           'is_pointwise', 'on_pointwise_maps', 'pointwise_product', 'pointwise_maps_slower', 'may_meet_slow_pointwise',
-           'guarded_conv', 'GuardedConv2d', 'guard_plan', 'unguard_model', 'model_device', 'guard_model', 'call_plan',
+           'MeasuredKernel', 'weight_grad_in_nchw', 'short_input_slower', 'may_meet_short_input', 'short_input_plan',
+           'reduced_backward_slower', 'may_meet_slow_backward', 'slow_backward_conv', 'is_pointwise',
+           'on_pointwise_maps', 'pointwise_product', 'pointwise_maps_slower', 'may_meet_slow_pointwise', 'guarded_conv',
+           'GuardedConv2d', 'guard_plan', 'unguard_model', 'model_device', 'guard_model', 'call_plan',
            'short_input_route', 'guard_report']
 
 # %% ../nbs/05_guard.ipynb #f1cb003b
@@ -103,27 +103,14 @@ def route(plan, x:Tensor, weight:Tensor, stride:tuple, residual:Tensor|None=None
     return Route(nchw(x), nchw(weight), stride, None if residual is None else nchw(residual), cl)
 
 # %% ../nbs/05_guard.ipynb #1b8c85af
-PREMISE_CACHE = 'premises'   # the `MachineCache` of what each probe measured here
-
-def premise(name:str, probe:Callable[[], bool]) -> bool:
-    "Whether the premise `name` holds on this machine: `probe()` the first time (per machine), its cached answer after"
-    cache = MachineCache(PREMISE_CACHE)
-    held = cache.get(name)
-    if not isinstance(held, bool):
-        held = bool(probe())
-        cache.update({name: held})
-    return held
+def premise(name:str, probe:Callable[[], Timing|bool]) -> bool:
+    "Whether the premise `name` holds on this machine, measured once per machine (`clfast.timing.decide`): where `probe()` times a route against the stock kernel, the route is faster by the margin; where it checks numerics, its bool"
+    held = decide(f"premise:{name}", probe)
+    return held if isinstance(held, bool) else held.chosen
 
 def forget_premises():
-    "Clear this machine's measured premises (they are measured again when next needed)"
-    MachineCache(PREMISE_CACHE).clear()
-    _PREMISES_HERE.clear()
-
-_PREMISES_HERE = {}   # name -> held, once per process: the per-call tests read this, not the file
-
-def _holds(name:str, probe:Callable[[], bool]) -> bool:
-    if name not in _PREMISES_HERE: _PREMISES_HERE[name] = premise(name, probe)
-    return _PREMISES_HERE[name]
+    "Forget this machine's measured premises (they are measured again when next needed)"
+    forget_timings('premise:')
 
 # %% ../nbs/05_guard.ipynb #1b488827
 @dataclass(frozen=True)
@@ -135,7 +122,7 @@ class MeasuredKernel:
     probe: Callable[[], bool]
     def present(self) -> bool:
         "Whether this machine's stock kernel measured so (once per machine, cached)"
-        return _holds(self.name, self.probe)
+        return premise(self.name, self.probe)
 
 class _WeightGradInNchw(torch.autograd.Function):
     "The stock channels-last conv and input gradient, with the weight gradient computed in nchw; saves what the stock conv saves"
@@ -165,29 +152,15 @@ def weight_grad_in_nchw(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|Non
     "`conv(x)` whose weight gradient runs in nchw (forward and input gradient as stock)"
     return _WeightGradInNchw.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
-def paired_ratio(a:Callable, b:Callable, pairs:int=9) -> tuple[float, float]:
-    "`(median over `pairs` of time(b) / time(a), median time of a)`, each pair run in alternating order after a warm-up of each"
-    a(); b()
-    ratios, times = [], []
-    for i in range(pairs):
-        ts = {}
-        for name, f in ((('a', a), ('b', b)) if i % 2 == 0 else (('b', b), ('a', a))):
-            t0 = time.perf_counter(); f(); ts[name] = time.perf_counter() - t0
-        ratios.append(ts['b'] / ts['a']); times.append(ts['a'])
-    return statistics.median(ratios), statistics.median(times)
-
-SHORT_INPUT_FASTER = 0.95   # the route is taken where its step measured at most this fraction of the stock one
-
-def short_input_slower() -> bool:
-    "`SHORT_INPUT_WGRAD`'s probe: a 512-channel 3x3 conv on 2-row inputs (batch 8), forward + backward, stock channels-last vs the weight gradient in nchw; slower when the route takes at most `SHORT_INPUT_FASTER` of the stock time (median of 9 alternating pairs)"
+def short_input_slower() -> Timing:
+    "`SHORT_INPUT_WGRAD`'s probe: a 512-channel 3x3 conv on 2-row inputs (batch 8), forward + backward, the weight gradient in nchw timed against stock channels-last (`time_pair`)"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         conv = nn.Conv2d(512, 512, 3, padding=1, bias=False).to(memory_format=torch.channels_last)
         x = torch.randn(8, 512, 2, 4).to(memory_format=torch.channels_last).requires_grad_()
     step = lambda f: lambda: f().sum().backward()
-    ratio, _ = paired_ratio(step(lambda: nn.Conv2d._conv_forward(conv, x, conv.weight, None)),
-                            step(lambda: weight_grad_in_nchw(conv, x, conv.weight, None)))
-    return ratio <= SHORT_INPUT_FASTER
+    return time_pair(step(lambda: nn.Conv2d._conv_forward(conv, x, conv.weight, None)),
+                     step(lambda: weight_grad_in_nchw(conv, x, conv.weight, None)))
 
 SHORT_INPUT_WGRAD = MeasuredKernel(
     name='short_input_wgrad_slower',
@@ -217,11 +190,9 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     return _SHORT_INPUT_PLAN
 
 # %% ../nbs/05_guard.ipynb #bd9c6737
-SLOW_BACKWARD_FASTER = 0.95   # the premise holds where ATen's way in fp32 took at most this fraction of the stock time
-
-def reduced_backward_slower(dtype:torch.dtype) -> bool:
-    "The probe of `SLOW_BF16_BACKWARD` / `SLOW_FP16_BACKWARD`: a depthwise 3x3 stride-2 and a dense 3x3 channels-last conv backward (batch 8, 16x16), stock in `dtype` against ATen's in fp32 on widened copies; slower when either fp32 run takes at most `SLOW_BACKWARD_FASTER` of the stock time (median of 9 alternating pairs)"
-    def ratio(c, groups):
+def reduced_backward_slower(dtype:torch.dtype) -> Timing:
+    "The probe of `SLOW_BF16_BACKWARD` / `SLOW_FP16_BACKWARD`: a depthwise 3x3 stride-2 and a dense 3x3 channels-last conv backward (batch 8, 16x16), ATen's in fp32 on widened copies timed against stock in `dtype` (`time_pair`); the depthwise one's timing unless only the dense one is faster"
+    def timing(c, groups):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             x = torch.randn(8, c, 16, 16).to(dtype).contiguous(memory_format=torch.channels_last)
@@ -230,8 +201,11 @@ def reduced_backward_slower(dtype:torch.dtype) -> bool:
         bwd = lambda x, w, dy: lambda: torch.ops.aten.convolution_backward(dy, x, w, None, [2, 2], [1, 1], [1, 1], False,
                                                                            [0, 0], groups, [True, True, False])
         wide = lambda t: t.float()
-        return paired_ratio(bwd(x, w, dy), lambda: bwd(wide(x), wide(w), wide(dy))())[0]
-    return min(ratio(240, 240), ratio(64, 1)) <= SLOW_BACKWARD_FASTER
+        return time_pair(bwd(x, w, dy), lambda: bwd(wide(x), wide(w), wide(dy))())
+    depthwise = timing(240, 240)
+    if depthwise.chosen: return depthwise
+    dense = timing(64, 1)
+    return dense if dense.chosen else depthwise
 
 def _slow_backward(dtype, name):
     return MeasuredKernel(
@@ -290,8 +264,6 @@ def slow_backward_conv(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None
         return _TimedBackwardConv.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups, key)
 
 # %% ../nbs/05_guard.ipynb #af470509
-POINTWISE_FASTER = 0.95   # the premise holds where the product took at most this fraction of the conv's time
-
 def _zero_padding(conv) -> bool:
     return conv.padding == 'valid' or (conv.padding == 'same' and max(conv.kernel_size) == 1) or \
            (not isinstance(conv.padding, str) and not any(conv.padding))
@@ -315,7 +287,7 @@ def pointwise_product(conv:nn.Module, x:Tensor, weight:Tensor, bias:Tensor|None)
     return F.linear(x.flatten(1), weight.flatten(1), bias).view(x.shape[0], conv.out_channels, 1, 1)
 
 def pointwise_maps_slower() -> bool:
-    "`SLOW_POINTWISE_MAPS`'s probe: a squeeze-excite pair of 1x1 convs with bias (96 -> 24 -> 96 channels) on [8, 96, 1, 1], forward + backward in fp32, stock against `pointwise_product`; slower when the product takes at most `POINTWISE_FASTER` of the stock time (median of 9 alternating pairs)"
+    "`SLOW_POINTWISE_MAPS`'s probe: a squeeze-excite pair of 1x1 convs with bias (96 -> 24 -> 96 channels) on [8, 96, 1, 1], forward + backward in fp32, `pointwise_product` timed against stock (`time_pair`)"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         reduce, expand = nn.Conv2d(96, 24, 1), nn.Conv2d(24, 96, 1)
@@ -323,7 +295,7 @@ def pointwise_maps_slower() -> bool:
     stock = lambda c, t: nn.Conv2d._conv_forward(c, t, c.weight, c.bias)
     product = lambda c, t: pointwise_product(c, t, c.weight, c.bias)
     step = lambda conv: lambda: conv(expand, conv(reduce, x)).sum().backward()
-    return paired_ratio(step(stock), step(product))[0] <= POINTWISE_FASTER
+    return time_pair(step(stock), step(product))
 
 SLOW_POINTWISE_MAPS = MeasuredKernel(
     name='slow_conv_on_1x1_maps',

@@ -121,10 +121,13 @@ class MachineCache:
         except (OSError, ValueError): return {}
         return data if isinstance(data, dict) else {}
 
-    @staticmethod
-    def _mine(data:dict) -> dict:
+    def key(self) -> str:
+        "Whose entries this cache reads and writes: this machine's"
+        return machine_key()
+
+    def _mine(self, data:dict) -> dict:
         "This machine's entries in `data` (none where the file holds something else there: they are measured again)"
-        mine = data.get(machine_key())
+        mine = data.get(self.key())
         return dict(mine) if isinstance(mine, dict) else {}
 
     def entries(self) -> dict:
@@ -136,13 +139,13 @@ class MachineCache:
     def update(self, values:dict):
         "Merge `values` into this machine's entries"
         data = self._load()
-        data[machine_key()] = {**self._mine(data), **values}
+        data[self.key()] = {**self._mine(data), **values}
         return self._write(data)
 
     def clear(self):
         "Forget this machine's entries"
         data = self._load()
-        data.pop(machine_key(), None)
+        data.pop(self.key(), None)
         return self._write(data)
 
     def _write(self, data:dict):

@@ -1,7 +1,8 @@
 import os, subprocess, sys, pytest, torch
 from pathlib import Path
 from fastai.callback.fp16 import AMPMode
-from clfast.amp import resolve_amp, amp_mode_of, cpu_amp_speed, FAST_ENOUGH
+from clfast.amp import resolve_amp, amp_mode_of, cpu_amp_speed
+from clfast.timing import MARGIN
 
 ROOT = str(Path(__file__).parent.parent)
 
@@ -14,10 +15,10 @@ def test_cpu_resolution_follows_measured_speed():
     speed = cpu_amp_speed()
     for mode, dtype in (('bf16', torch.bfloat16), ('fp16', torch.float16)):
         got, scaler, why = resolve_amp('cpu', mode)
-        if speed[dtype] <= FAST_ENOUGH: assert got == dtype and not why and scaler == (dtype == torch.float16)
+        if speed[dtype] <= MARGIN: assert got == dtype and not why and scaler == (dtype == torch.float16)
         else:
             assert got in (torch.bfloat16, torch.float32) and not scaler and f"amp_mode='{mode}'" in why
-            assert got == torch.float32 or (mode == 'fp16' and speed[torch.bfloat16] <= FAST_ENOUGH)
+            assert got == torch.float32 or (mode == 'fp16' and speed[torch.bfloat16] <= MARGIN)
 
 def test_emulated_bf16_falls_back_to_fp32():
     "Capping oneDNN at AVX2 takes native bf16 away on any x86 CPU: clfast must then train fp32, saying why"

@@ -5,7 +5,7 @@ import pytest, torch
 from torch import nn
 import torch.nn.functional as F
 from hypothesis import given, example, strategies as st
-from clfast import guard
+from clfast import guard, timing
 from clfast.bn import (PreciseBatchNorm2d, PreciseSyncBatchNorm, make_precise, imprecise_cl_batch_norm, _bn_errors,
                        cpu_sync_capable)
 from clfast.guard import guard_model, unguard_model, IMPRECISE_CL_BATCH_NORM
@@ -80,15 +80,15 @@ def test_precise_bn_semantics_equal_fp64(n, c, h, w, affine, track, momentum, tr
 def test_premise_measured_and_guard_follows_it(tmp_path, monkeypatch):
     "guard_model makes BNs precise exactly where this machine's stock channels-last BN measured imprecise; cached per machine"
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(guard, '_PREMISES_HERE', {})   # measured afresh here; this process's answers back after the test
+    monkeypatch.setattr(timing, '_here', {})   # measured afresh here; this process's answers back after the test
     here = imprecise_cl_batch_norm()
     assert here == (_bn_errors(CL) > 3 * _bn_errors(torch.contiguous_format))
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8))
     guard_model(net)
     assert type(net[2]) is (PreciseBatchNorm2d if here else nn.BatchNorm2d)
-    assert guard.MachineCache(guard.PREMISE_CACHE).get(IMPRECISE_CL_BATCH_NORM.name) == here
+    assert timing.timings()[f'premise:{IMPRECISE_CL_BATCH_NORM.name}'] == here   # a numerics premise: its bool
     for held in (True, False):   # clfast's behaviour given either answer
-        guard._PREMISES_HERE[IMPRECISE_CL_BATCH_NORM.name] = held
+        timing._here[f'premise:{IMPRECISE_CL_BATCH_NORM.name}'] = held
         guard_model(net)
         assert type(net[2]) is (PreciseBatchNorm2d if held else nn.BatchNorm2d)
     unguard_model(net)

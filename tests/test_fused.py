@@ -5,6 +5,7 @@ import pytest, torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import given, settings, example, strategies as st, HealthCheck
+from clfast import timing
 from clfast.act import ACTS
 from clfast.fused import FusedConvBN2d, conv_bn_act
 from clfast.guard import guard_model
@@ -389,7 +390,7 @@ def test_timed_way_once_per_shape(device, tmp_path, monkeypatch):
     gradients one backward), keeps the faster in this process and in the machine's cache; later calls run it. A GPU's
     choices are keyed by its name too"""
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(fused_mod, '_ways', {})
+    monkeypatch.setattr(fused_mod, '_ways', {}); monkeypatch.setattr(timing, '_here', {})
     timed = []
     real = fused_mod._timed_way
     monkeypatch.setattr(fused_mod, '_timed_way', lambda *a: timed.append(1) or real(*a))
@@ -401,12 +402,12 @@ def test_timed_way_once_per_shape(device, tmp_path, monkeypatch):
         ways = fused_mod.layer_ways()
         assert len(ways) == 1 and set(ways.values()) <= {'fused', 'stock'}
         assert (device == 'cuda') == (torch.cuda.is_available() and torch.cuda.get_device_name() in next(iter(ways)))
-        assert MachineCache(fused_mod.LAYER_WAY_CACHE).entries() == ways
+        assert {k for k in timing._TimingCache(timing.TIMINGS).entries() if k.startswith('layer:')} == {f'layer:{k}' for k in ways}
         for _ in range(2): f(x).sum().backward()
         assert timed == [1]                               # the same shape: not timed again
         f(torch.randn(3, 5, 6, 6, device=device)).sum().backward()
         assert timed == [1, 1]                            # another shape is
-        monkeypatch.setattr(fused_mod, '_ways', {})
+        monkeypatch.setattr(fused_mod, '_ways', {}); monkeypatch.setattr(timing, '_here', {})
         f(x).sum().backward()
         assert timed == [1, 1]                            # a new process reads the cache
 
@@ -414,8 +415,8 @@ def test_timed_way_once_per_shape(device, tmp_path, monkeypatch):
 @pytest.mark.parametrize('way', ['fused', 'stock'])
 def test_timed_way_runs_the_choice(way, tmp_path, monkeypatch):
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(fused_mod, '_ways', {})
-    monkeypatch.setattr(fused_mod, '_timed_way', lambda *a: way)
+    monkeypatch.setattr(fused_mod, '_ways', {}); monkeypatch.setattr(timing, '_here', {})
+    monkeypatch.setattr(fused_mod, '_timed_way', lambda *a: timing.Timing(0.5 if way == 'stock' else 2., 6, way == 'stock', 1e-3))
     f = FusedConvBN2d(3, 4, 3, padding=1, act='silu')
     with layer_way('timed'):
         node = f(torch.randn(2, 3, 5, 5, requires_grad=True)).grad_fn.name()
@@ -440,7 +441,7 @@ def test_untimeable_layer_runs_fused_and_says_so_once(tmp_path, monkeypatch):
     """A layer 'timed' cannot copy (here a weight that is a view of another tensor, as a tied or parametrized weight
     is: deepcopy refuses non-leaf tensors) runs the fused way, says so once, and trains"""
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(fused_mod, '_ways', {})
+    monkeypatch.setattr(fused_mod, '_ways', {}); monkeypatch.setattr(timing, '_here', {})
     f = FusedConvBN2d(3, 4, 3, padding=1, act='silu')
     shared = nn.Parameter(torch.randn(2, 4, 3, 3, 3))
     del f.weight
@@ -454,7 +455,7 @@ def test_untimeable_layer_runs_fused_and_says_so_once(tmp_path, monkeypatch):
     said = [str(m.message) for m in w if 'could not be timed' in str(m.message)]
     assert len(said) == 1 and 'runs fused' in said[0], said
     assert shared.grad is not None and shared.grad[0].abs().sum() > 0 and not shared.grad[1].any()
-    assert MachineCache(fused_mod.LAYER_WAY_CACHE).entries() == {}   # nothing measured: nothing for the machine's cache
+    assert timing._TimingCache(timing.TIMINGS).entries() == {}   # nothing measured: nothing for the machine's cache
 
 @needs_cxx
 @pytest.mark.parametrize('bad', [float('nan'), float('inf'), -float('inf')])

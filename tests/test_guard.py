@@ -7,7 +7,7 @@ from hypothesis import given, settings, example, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam
 import clfast.callback  # noqa: F401  (patches Learner)
-from clfast import guard, check
+from clfast import guard, check, timing
 from clfast.guard import (KNOWN_BAD_KERNELS, GuardedConv2d, route, guard_model, unguard_model, guard_report,
                           onednn_isa, bad_kernels_for, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD,
                           GuardPlan, IMPRECISE_CL_BATCH_NORM, short_input_slower, weight_grad_in_nchw,
@@ -188,14 +188,14 @@ def test_short_input_premise_is_measured_and_the_route_follows_it(tmp_path, monk
     "The route's premise is measured here (stock channels-last against the weight gradient in nchw, paired), cached per "
     "machine; a 3x3 conv that may meet a 2-row input is routed exactly where it held"
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(guard, '_PREMISES_HERE', {})   # measured afresh here; this process's answers back after the test
+    monkeypatch.setattr(timing, '_here', {})   # measured afresh here; this process's answers back after the test
     here = SHORT_INPUT_WGRAD.present()
-    assert guard.MachineCache(guard.PREMISE_CACHE).get(SHORT_INPUT_WGRAD.name) == here
+    assert timing.timings()[f'premise:{SHORT_INPUT_WGRAD.name}'].chosen == here
     conv = nn.Conv2d(512, 512, 3, padding=1, bias=False)
     x = torch.randn(4, 512, 2, 2).to(memory_format=CL).requires_grad_()
     for held in (here, True, False):   # what was measured, and clfast's behaviour given either answer
-        guard._PREMISES_HERE[SHORT_INPUT_WGRAD.name] = held
-        guard._PREMISES_HERE.update({k.name: False for k in (SLOW_BF16_BACKWARD, guard.SLOW_FP16_BACKWARD)})   # this route alone
+        timing._here[f'premise:{SHORT_INPUT_WGRAD.name}'] = held
+        timing._here.update({f'premise:{k.name}': False for k in (SLOW_BF16_BACKWARD, guard.SLOW_FP16_BACKWARD)})   # this route alone
         m = copy.deepcopy(conv).to(memory_format=CL); guard_model(m)
         assert (type(m) is GuardedConv2d) == held and (short_input_plan(m, x, m.weight) is not None) == held
 
@@ -213,7 +213,7 @@ def test_short_input_route_equals_fp64_and_costs_no_memory(monkeypatch):
     "routed; each gives fp64's output and gradients; the audit lists them as guarded, not the route's own copies; the "
     "model keeps <= 1.05x the saved activations of stock channels-last"
     import torchvision
-    monkeypatch.setitem(guard._PREMISES_HERE, SHORT_INPUT_WGRAD.name, True)
+    monkeypatch.setitem(timing._here, f'premise:{SHORT_INPUT_WGRAD.name}', True)
     torch.manual_seed(0)
     stock = torchvision.models.resnet18(num_classes=10).to(memory_format=CL)
     m = copy.deepcopy(stock)
@@ -257,13 +257,13 @@ def test_unguardable_conv_warns():
 def test_slow_backward_premise_is_measured_and_cached(tmp_path, monkeypatch):
     "The premise is the probe's measurement on this machine (stock bf16 against fp32 on widened copies), cached per machine"
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(guard, '_PREMISES_HERE', {})
+    monkeypatch.setattr(timing, '_here', {})
     calls = []
     probe = lambda: calls.append(1) or reduced_backward_slower(torch.bfloat16)
     held = guard.premise('test_slow_bf16', probe)
     assert guard.premise('test_slow_bf16', probe) == held and len(calls) == 1
     conv = nn.Conv2d(8, 8, 3, padding=1)
-    monkeypatch.setattr(guard, '_PREMISES_HERE', {SLOW_BF16_BACKWARD.name: held, guard.SLOW_FP16_BACKWARD.name: False})
+    monkeypatch.setattr(timing, '_here', {f'premise:{SLOW_BF16_BACKWARD.name}': held, f'premise:{guard.SLOW_FP16_BACKWARD.name}': False})
     assert may_meet_slow_backward(conv) == held and not may_meet_slow_backward(nn.Conv2d(8, 8, 3, padding='same'))
 
 @pytest.mark.parametrize('autocast', [True, False], ids=['autocast', 'bf16_model'])
@@ -388,12 +388,12 @@ def test_guard_under_autocast(fuse):
 def test_pointwise_premise_is_measured_and_cached(tmp_path, monkeypatch):
     "The premise is the probe's measurement here (a squeeze-excite pair of convs against the products), cached per machine; only a 1x1 conv of stride 1, unpadded, one group may meet it"
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(guard, '_PREMISES_HERE', {})
+    monkeypatch.setattr(timing, '_here', {})
     calls = []
     probe = lambda: calls.append(1) or guard.pointwise_maps_slower()
     held = guard.premise('test_slow_pointwise', probe)
     assert guard.premise('test_slow_pointwise', probe) == held and len(calls) == 1
-    monkeypatch.setattr(guard, '_PREMISES_HERE', {guard.SLOW_POINTWISE_MAPS.name: held})
+    monkeypatch.setattr(timing, '_here', {f'premise:{guard.SLOW_POINTWISE_MAPS.name}': held})
     assert guard.may_meet_slow_pointwise(nn.Conv2d(8, 4, 1)) == held
     for other in (nn.Conv2d(8, 4, 1, stride=2), nn.Conv2d(8, 8, 1, groups=2), nn.Conv2d(8, 4, 3), nn.Conv2d(8, 4, 1, padding=1)):
         assert not guard.may_meet_slow_pointwise(other)
@@ -408,7 +408,7 @@ class _AtenOps(TorchDispatchMode):
 @pytest.mark.parametrize('held', [True, False], ids=['slow_here', 'not_slow_here'])
 def test_squeeze_excite_convs_as_products_where_measured(monkeypatch, held):
     "The guard runs a 1x1 conv on 1x1 maps as one matrix product where the premise holds, else as the conv: fp64's output and gradients at fp32's precision either way; a larger map always takes the conv; unguarded (and pickled) as nn.Conv2d"
-    monkeypatch.setattr(guard, '_PREMISES_HERE', {**guard._PREMISES_HERE, guard.SLOW_POINTWISE_MAPS.name: held})
+    monkeypatch.setitem(timing._here, f'premise:{guard.SLOW_POINTWISE_MAPS.name}', held)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(16, 4, 1), nn.ReLU(), nn.Conv2d(4, 16, 1), nn.Sigmoid()).to(memory_format=CL)
     ref = copy.deepcopy(net).double()
@@ -435,7 +435,7 @@ def test_guard_is_for_cpu_models_only(monkeypatch):
     """A model on another device (here 'meta': no GPU on this machine) gets no guard, no precise BN and no CPU probe,
     from `guard_model` and from `to_channelslast()` for a learner whose batches go there; back on the CPU it is guarded"""
     probed = []
-    monkeypatch.setattr(guard, '_holds', lambda name, probe: probed.append(name) or True)
+    monkeypatch.setattr(guard, 'premise', lambda name, probe: probed.append(name) or True)
     learn = Learner(image_dls(), nn.Sequential(ConvLayer(3, 8), ConvLayer(8, 16, stride=2), nn.AdaptiveAvgPool2d(1),
                                                Flatten(), nn.Linear(16, 2)), loss_func=CrossEntropyLossFlat())
     stock = [type(m) for m in learn.model.modules()]

@@ -6,6 +6,7 @@ from pathlib import Path
 from unittest import mock
 import pytest, torch
 import torch.nn.functional as F
+from clfast import timing
 from clfast import ops, cpu_kernels
 from clfast.act import ACTS
 from clfast.reference import ConvGeometry
@@ -411,7 +412,7 @@ def test_another_kernel_set_is_never_timed(tmp_path, monkeypatch):
     from clfast.fused import FusedConvBN2d
     if not ops.kernels_ready() or ops._loaded['cpu']: pytest.skip(f"no C++ library: {ops._loaded['cpu']}")
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(fused, '_ways', {})
+    monkeypatch.setattr(fused, '_ways', {}); monkeypatch.setattr(timing, '_here', {})
     before = fused.set_layer_way('timed')
     try:
         f, x = FusedConvBN2d(3, 4, 3, padding=1), torch.randn(2, 3, 6, 6).requires_grad_()

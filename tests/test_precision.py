@@ -4,7 +4,9 @@ from torch import nn
 import fastai.callback.fp16 as fastai_fp16
 from fastai.vision.all import Learner, Callback, AMPMode, load_learner, DataLoaders, CrossEntropyLossFlat
 import clfast.amp as amp
-from clfast.amp import MixedPrecision, resolve_amp, cpu_amp_speed, measure_cpu_amp, FAST_ENOUGH
+from clfast.amp import MixedPrecision, resolve_amp, cpu_amp_speed, measure_cpu_amp
+from clfast import timing
+from clfast.timing import Timing, MAX_PAIRS
 from clfast.callback import ChannelsLast
 from clfast.core import ClfastWarning
 from helpers import *
@@ -55,41 +57,25 @@ def test_fp16_scaler_only_when_fp16_is_used(cpu_kind):
 
 def test_measure_is_a_real_ratio_and_leaves_rng_alone():
     state = torch.get_rng_state()
-    r = measure_cpu_amp(torch.bfloat16, max_pairs=2)
-    assert 0 < r['ratio'] < math.inf and 1 <= r['pairs'] <= 2 and torch.equal(torch.get_rng_state(), state)
-
-@pytest.mark.parametrize('half_times,decided,pairs', [
-    ([0.5], True, 6),                  # clearly faster: six pairs all one side settle it
-    ([1.5], True, 6),                  # clearly slower
-    ([0.85, 0.95], False, 8),          # a tie within noise: undecided when the pairs run out
-])
-def test_probe_adds_pairs_until_its_sign_test_clears(monkeypatch, half_times, decided, pairs):
-    "The probe's decision follows the pairs' ratios (fp32 steps take 1.0), not one noisy pair; a tie is said to be one"
-    calls = []
-    def step(net, x, dtype):
-        calls.append(dtype)
-        if dtype == torch.float32: return 1.0
-        return half_times[sum(d != torch.float32 for d in calls) % len(half_times)]
-    monkeypatch.setattr(amp, '_probe_step', step)
-    r = measure_cpu_amp(torch.bfloat16, max_pairs=8)
-    assert (r['decided'], r['pairs']) == (decided, pairs), r
+    r = measure_cpu_amp(torch.bfloat16)   # the stopping rule itself: tests/test_timing.py
+    assert 0 < r.ratio < math.inf and 1 <= r.pairs <= MAX_PAIRS and torch.equal(torch.get_rng_state(), state)
 
 def test_speed_is_measured_once_per_machine(monkeypatch, tmp_path):
-    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path)); monkeypatch.setattr(timing, '_here', {})
     monkeypatch.setattr(amp, 'cpu_native_dtypes', lambda: {torch.bfloat16})   # as a CPU whose oneDNN flags bf16
     calls = []
-    monkeypatch.setattr(amp, 'measure_cpu_amp', lambda dtype: calls.append(dtype) or dict(ratio=0.5, pairs=6, decided=True))
+    monkeypatch.setattr(amp, 'measure_cpu_amp', lambda dtype: calls.append(dtype) or Timing(0.5, 6, True, 1e-3))
     assert cpu_amp_speed() == {torch.bfloat16: 0.5, torch.float16: math.inf}
     assert cpu_amp_speed() == {torch.bfloat16: 0.5, torch.float16: math.inf}
-    assert calls == [torch.bfloat16] and (tmp_path/'cpu_amp.json').exists()
+    assert calls == [torch.bfloat16] and 'amp:bf16_step' in timing.timings('amp:')
     cpu_amp_speed(refresh=True)
     assert calls == [torch.bfloat16] * 2
 
 def test_a_tie_trains_fp32_and_says_so(monkeypatch, tmp_path):
     "An undecided probe (bf16 within noise of fp32) gives fp32 with a message saying the probe could not tell"
-    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path)); monkeypatch.setattr(timing, '_here', {})
     monkeypatch.setattr(amp, 'cpu_native_dtypes', lambda: {torch.bfloat16})
-    monkeypatch.setattr(amp, 'measure_cpu_amp', lambda dtype: dict(ratio=0.89, pairs=30, decided=False))
+    monkeypatch.setattr(amp, 'measure_cpu_amp', lambda dtype: Timing(0.89, MAX_PAIRS, None, 1e-3))
     dtype, scaler, why = resolve_amp('cpu', 'bf16')
     assert dtype == torch.float32 and not scaler and 'could not tell' in why
 

@@ -4,6 +4,7 @@ from collections import Counter
 import pytest, torch
 from torch import nn
 from zoo_models import ZOO
+from clfast import timing
 from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, fusion_report, is_fused
 from clfast.guard import guard_model, unguard_model
 from clfast.amp import cpu_native_dtypes
@@ -106,7 +107,7 @@ def check(name, mode):
 def default_way(tmp_path, monkeypatch):
     "The per-layer way users run ('timed'), timing every layer shape afresh: the timing is what crashed on MixedConv2d"
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(fused_mod, '_ways', {})
+    monkeypatch.setattr(fused_mod, '_ways', {}); monkeypatch.setattr(timing, '_here', {})
     before = fused_mod.set_layer_way('timed')
     yield
     fused_mod.set_layer_way(before)

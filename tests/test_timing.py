@@ -1,0 +1,94 @@
+"""clfast.timing, the one way clfast times a choice: the stopping rule on scripted timings (a clock that advances by
+what each call is said to take), and the measuring lock and the shared cache between real processes"""
+import json, os, subprocess, sys, textwrap, time
+import pytest
+from clfast import timing
+from clfast.timing import time_pair, decide, Timing, MARGIN, MIN_PAIRS, MAX_PAIRS
+
+class Script:
+    "A clock and two calls: each call advances the clock by its scripted duration (the first, a warm-up's, 9.0; then cycling through the list)"
+    def __init__(self, default, candidate): self.now, self.d, self.c, self.n = 0., default, candidate, {'d': 0, 'c': 0}
+    def clock(self): return self.now
+    def call(self, which, times):
+        def f():
+            n = self.n[which]; self.n[which] += 1
+            self.now += 9.0 if n == 0 else times[(n - 1) % len(times)]
+        return f
+    def run(self, **kw): return time_pair(self.call('d', self.d), self.call('c', self.c), clock=self.clock, **kw)
+
+@pytest.mark.parametrize('candidate,faster,pairs', [
+    ([0.5], True, MIN_PAIRS),                  # clearly faster: the fewest pairs settle it
+    ([1.5], False, MIN_PAIRS),                 # clearly slower
+    ([MARGIN], True, MIN_PAIRS),               # at the margin counts as faster by it
+    ([0.9, 1.05], None, MAX_PAIRS),            # a tie within noise: undecided when the pairs run out, the default stays
+    ([1.0, 1.0, 0.8], None, MAX_PAIRS),        # 1 in 3 below: neither side significant in 12 pairs
+])
+def test_pairs_are_added_until_the_sign_test_decides(candidate, faster, pairs):
+    "The decision follows the pairs' ratios (the default takes 1.0), not one noisy pair; a tie is said to be one"
+    t = Script([1.0], candidate).run()
+    assert (t.faster, t.pairs) == (faster, pairs), t
+    assert t.chosen == (faster is True) and t.default_s == 1.0
+
+def test_give_up_ends_a_hopeless_candidate_at_once():
+    t = Script([1.0], [30.0, 1.0]).run(give_up=20.)
+    assert (t.faster, t.pairs, t.ratio) == (False, 1, 30.0)
+
+_CHILD = textwrap.dedent('''
+    import sys, time
+    from clfast import timing
+    def measure():
+        open(sys.argv[2], 'a').write(sys.argv[1] + ' start %f\\n' % time.time()); time.sleep(1.0)
+        open(sys.argv[2], 'a').write(sys.argv[1] + ' end %f\\n' % time.time())
+        return timing.Timing(0.5, 6, True, 1e-3)
+    print(timing.decide('test:shared', measure).chosen, timing.decide('test:other' + sys.argv[1], measure).chosen)
+''')
+
+def test_processes_measure_one_at_a_time_and_share_answers(tmp_path, monkeypatch):
+    """Three processes decide one shared choice and one each at once: the shared one is measured once (the others wait
+    for the lock, then read its answer), and no two measurements overlap in time"""
+    log = tmp_path/'log'
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    env = dict(os.environ)
+    procs = [subprocess.Popen([sys.executable, '-c', _CHILD, str(i), str(log)], env=env, stdout=subprocess.PIPE, text=True)
+             for i in range(3)]
+    outs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and outs == [['True', 'True']] * 3
+    events = sorted((float(t), who, what) for who, what, t in (l.split() for l in log.read_text().splitlines()))
+    assert len(events) == 2 * 4                               # 1 shared + 3 own measurements
+    for (t0, a, s), (t1, b, e) in zip(events[::2], events[1::2]):   # start, end, start, end, ...: never two at once
+        assert (s, e, a) == ('start', 'end', b)
+    cache = timing._TimingCache(timing.TIMINGS)
+    entries = json.loads(cache.path.read_text())[cache.key()]
+    assert set(entries) == {'test:shared', 'test:other0', 'test:other1', 'test:other2'}
+
+def test_a_process_that_waits_too_long_keeps_the_default(tmp_path, monkeypatch):
+    "Another process holds the measuring lock past the timeout: this one keeps the default, says so once, caches nothing"
+    import fcntl, warnings
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {}); monkeypatch.setattr(timing, 'LOCK_TIMEOUT', 0.3)
+    holder = subprocess.Popen([sys.executable, '-c', textwrap.dedent(f'''
+        import fcntl, os, sys, time
+        fd = os.open({str(tmp_path/'measuring.lock')!r}, os.O_CREAT | os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX)
+        print('held', flush=True); time.sleep(30)''')], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == 'held'
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always')
+            t = decide('test:blocked', lambda: pytest.fail('measured while another process measures'))
+        assert t.faster is None and not t.chosen
+        assert any('keeps its default' in str(m.message) for m in w)
+        assert 'test:blocked' not in timing._TimingCache(timing.TIMINGS).entries()
+    finally: holder.kill()
+
+def test_another_versions_cache_is_ignored_and_said_once(tmp_path, monkeypatch):
+    import warnings
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {}); monkeypatch.setattr(timing, '_said', set())
+    cache = timing._TimingCache(timing.TIMINGS)
+    cache.path.write_text(json.dumps({cache.key().replace('clfast ', 'clfast 0.0.'): {'test:x': dict(ratio=0.1, pairs=6, faster=True, default_s=1.)}}))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        t1 = decide('test:x', lambda: Timing(2., 6, False, 1.))
+        t2 = decide('test:y', lambda: Timing(2., 6, False, 1.))
+    assert not t1.chosen and not t2.chosen                      # measured here, not read from the other version's
+    assert sum("another machine's or clfast version's" in str(m.message) for m in w) == 1

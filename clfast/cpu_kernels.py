@@ -162,6 +162,7 @@ def load(verbose:bool=False) -> Path|None:
             if installed is not None:
                 torch.ops.load_library(str(installed))
                 _lib = installed
+                _register_chooser()
                 return _lib
             why = missing_toolchain()
             if why: raise RuntimeError(f"clfast C++ CPU kernels unavailable: {why} ({not_installed})")
@@ -179,6 +180,7 @@ def load(verbose:bool=False) -> Path|None:
             if fresh: _seal(level)
             _lib = Path(_lib) if _lib else None
             if fresh: _say(f"C++ CPU kernels compiled in {time.perf_counter() - t0:.0f} s")
+            if _lib is not None: _register_chooser()
     return _lib
 
 # %% ../nbs/22_cpu_kernels.ipynb #c3d15571
@@ -186,7 +188,7 @@ GEMM_BACKWARD = ('conv', 'gemm', 'timed')
 BACKWARD_WAYS = ('conv', 'gemm', 'fp32')   # what 'timed' can choose per shape (the C++ BackwardWay)
 
 def set_gemm_backward(how:str) -> str:
-    "Compute a fused layer's conv backward on the CPU by 'conv' (ATen), 'gemm' (matrix products, where they fit) or 'timed' (the fastest per shape, timed once per process: the default; for a bf16 or fp16 conv ATen's way in fp32 is a candidate too); returns the previous setting"
+    "Compute a fused layer's conv backward on the CPU by 'conv' (ATen), 'gemm' (matrix products, where they fit) or 'timed' (the fastest per shape, timed once per machine by `clfast.timing`: the default; for a bf16 or fp16 conv ATen's way in fp32 is a candidate too); returns the previous setting"
     if how not in GEMM_BACKWARD: raise ValueError(f"how must be one of {GEMM_BACKWARD}, got {how!r}")
     load()
     return GEMM_BACKWARD[torch.ops.clfast_cpu.set_gemm_backward(GEMM_BACKWARD.index(how))]
@@ -197,3 +199,31 @@ def gemm_backward_choices() -> dict:
     rows, dtypes = torch.ops.clfast_cpu.gemm_backward_choices()
     return {(tuple(r[:4]), tuple(r[4:8]), tuple(r[8:10]), tuple(r[10:12]), tuple(r[12:14]), dt, r[15], r[16]):
             BACKWARD_WAYS[r[17]] for r, dt in zip(rows.tolist(), dtypes)}
+
+def _choose_backward(dy, x, weight, bias, stride, padding, dilation, groups:int, needs:int, ways:list) -> int:
+    """The way (a `BACKWARD_WAYS` index) a conv backward of this shape runs, asked by the C++ library the first time it
+    meets the shape in 'timed': each candidate way timed against ATen's by `clfast.timing` (once per machine, cached);
+    the one chosen with the lowest ratio, else ATen's"""
+    from clfast.timing import decide, time_pair
+    shape = (f"conv_backward:x{list(x.shape)} w{list(weight.shape)} stride{list(stride)} pad{list(padding)} "
+             f"dil{list(dilation)} groups{groups} {str(x.dtype).removeprefix('torch.')} needs{needs} {torch.get_num_threads()}t")
+    def run(way): return lambda: torch.ops.clfast_cpu.conv_backward_as(dy, x, weight, bias, stride, padding, dilation,
+                                                                         groups, needs, way)
+    best, best_ratio = 0, float('inf')
+    with torch.no_grad():
+        for way in ways:
+            if way == 0: continue
+            t = decide(f"{shape} {BACKWARD_WAYS[way]}", lambda: time_pair(run(0), run(way)))
+            if t.chosen and t.ratio < best_ratio: best, best_ratio = way, t.ratio
+    return best
+
+_chooser = None   # the `clfast_timing` library: the Python side of the C++ library's per-shape choice
+
+def _register_chooser():
+    "Give the C++ library `clfast_timing::choose_backward` to ask (once per process)"
+    global _chooser
+    if _chooser is not None: return
+    _chooser = torch.library.Library('clfast_timing', 'DEF')
+    _chooser.define("choose_backward(Tensor dy, Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
+                    "int[] dilation, int groups, int needs, int[] ways) -> int")
+    _chooser.impl('choose_backward', _choose_backward, 'CPU')

@@ -163,9 +163,9 @@ def forget_timings(prefix:str=''):
         cache.clear().update(kept)
     for k in [k for k in _here if k.startswith(prefix)]: del _here[k]
 
-# %% ../nbs/04a_timing.ipynb #4fc5d87e
+# %% ../nbs/04a_timing.ipynb #0b8b8973
 _WAYS = {'amp': ('fp32', 'the half precision'), 'premise': ('the stock kernel', "clfast's route"),
-         'layer': ('the fused op', 'the stock modules')}   # (default, candidate) of each kind of decision
+         'layer': ('the fused op', 'the stock modules'), 'conv_backward': ("ATen's conv backward", None)}   # (default, candidate) of each kind
 
 def report() -> str:
     "This machine's decisions, one line each: the candidate's time over the default's, the pairs, the way chosen"
@@ -176,6 +176,7 @@ def report() -> str:
     lines = [head]
     for k, t in sorted(rows.items()):
         default, candidate = _WAYS.get(k.split(':')[0], ('the default', 'the candidate'))
+        if k.startswith('conv_backward:'): candidate = f"the {k.split()[-1]} way"   # its key names it
         if isinstance(t, bool): lines.append(f"  {k}: {'holds' if t else 'does not hold'} (measured by its numerics)")
         else:
             way = candidate if t.chosen else default + ('' if t.faster is False else ' (undecided)')

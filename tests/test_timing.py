@@ -78,7 +78,7 @@ def test_a_process_that_waits_too_long_keeps_the_default(tmp_path, monkeypatch):
         assert t.faster is None and not t.chosen
         assert any('keeps its default' in str(m.message) for m in w)
         assert 'test:blocked' not in timing._TimingCache(timing.TIMINGS).entries()
-    finally: holder.kill()
+    finally: holder.kill(); holder.communicate()
 
 def test_another_versions_cache_is_ignored_and_said_once(tmp_path, monkeypatch):
     import warnings
@@ -92,3 +92,28 @@ def test_another_versions_cache_is_ignored_and_said_once(tmp_path, monkeypatch):
         t2 = decide('test:y', lambda: Timing(2., 6, False, 1.))
     assert not t1.chosen and not t2.chosen                      # measured here, not read from the other version's
     assert sum("another machine's or clfast version's" in str(m.message) for m in w) == 1
+
+_BACKWARD_CHILD = textwrap.dedent('''
+    import sys, torch
+    from clfast import cpu_kernels, timing
+    if sys.argv[1] == 'again': timing.time_pair = lambda *a, **k: sys.exit('timed again')   # a second process reads the cache
+    cpu_kernels.load(); cpu_kernels.set_gemm_backward('timed')
+    x = torch.randn(3, 20, 5, 7).to(memory_format=torch.channels_last)   # as a backward sees them: no grad recorded
+    w = torch.randn(12, 20, 1, 1).to(memory_format=torch.channels_last)
+    out = torch.ops.clfast_cpu.stock_conv_backward(torch.randn(3, 12, 5, 7).to(memory_format=torch.channels_last), x, w,
+                                                   None, [1, 1], [0, 0], [1, 1], 1, [True, True, False])
+    print(cpu_kernels.BACKWARD_WAYS[out[3]], [k.split()[-1] + ':' + str(t.chosen) for k, t in timing.timings('conv_backward:').items()])
+''')
+
+def test_cpp_backward_choice_is_timings_once_per_machine(tmp_path):
+    """The C++ library's per-shape choice of a conv backward (ATen's or matrix products) is clfast.timing's: it asks
+    Python, whose decision is cached for the machine, so a second process runs the same way without timing it"""
+    from clfast.ops import kernels_ready
+    if not kernels_ready() : pytest.skip("no C++ library here")
+    env = {**os.environ, 'CLFAST_CACHE_DIR': str(tmp_path)}
+    first, again = (subprocess.run([sys.executable, '-c', _BACKWARD_CHILD, which], env=env, capture_output=True, text=True)
+                    for which in ('first', 'again'))
+    assert first.returncode == 0 and again.returncode == 0, first.stderr[-2000:] + again.stderr[-2000:]
+    way, decided = first.stdout.split(maxsplit=1)
+    assert decided.strip() in ("['gemm:True']", "['gemm:False']")
+    assert way == ('gemm' if 'True' in decided else 'conv') and again.stdout == first.stdout

@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <chrono>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -139,9 +139,11 @@ namespace {
 // gradients); on large maps ATen wins. A third way is ATen's in fp32 for a bf16 or fp16 conv (inputs widened exactly,
 // gradients rounded back once): oneDNN's bf16 channels-last depthwise backward took 3-33x fp32's on a Zen 4 EPYC with
 // AVX512-BF16 (strided and 5x5 ones; efficientnet_b0's bf16 step ran at half its fp32 speed), while elsewhere bf16 is
-// the faster. Where each crossover lies depends on the CPU, so each shape is timed every way that applies the first
-// time it is met and the fastest kept (as cudnn.benchmark does). Not with torch.use_deterministic_algorithms(True):
-// there, which way runs must not depend on a timing, so ATen always runs.
+// the faster. Where each crossover lies depends on the CPU, so the first time a shape is met each way that applies is
+// timed against ATen's and the fastest kept (as cudnn.benchmark does), by the one rule clfast times every choice with
+// (clfast.timing: paired ratios, one margin, a sign test), once per machine: this library asks Python's
+// `clfast_timing::choose_backward` through the dispatcher. Not with torch.use_deterministic_algorithms(True): there,
+// which way runs must not depend on a timing, so ATen always runs; nor without that op (no Python): ATen too.
 enum class GemmWay : int64_t { never = 0, always = 1, timed = 2 };
 std::atomic<int64_t> gemm_way{int64_t(GemmWay::timed)};
 // The ways one conv backward can run ('timed' picks one per shape); their names in `gemm_backward_choices`
@@ -288,15 +290,18 @@ struct ConvGrads {
   bool timed = false;  // the way 'timed' chose for this shape (not forced, nor the only one that applies)
 };
 
+ConvGrads run_backward_way(BackwardWay w, const Tensor& dy, const Tensor& x, const Tensor& weight, const OptTensor& bias,
+                           const Geometry& g, bool nx, bool nw, bool nb) {
+  switch (w) {
+    case BackwardWay::gemm: return {gemm_way_backward(dy, x, weight, bias, g, nx, nw, nb), w};
+    case BackwardWay::aten_fp32: return {aten_fp32_conv_backward(dy, x, weight, bias, g, nx, nw, nb), w};
+    default: return {aten_conv_backward(dy, x, weight, bias, g, nx, nw, nb), BackwardWay::aten};
+  }
+}
+
 ConvGrads conv_backward_way(const Tensor& dy, const Tensor& x, const Tensor& weight, const OptTensor& bias,
                             const Geometry& g, bool nx, bool nw, bool nb) {
-  auto run = [&](BackwardWay w) -> ConvGrads {
-    switch (w) {
-      case BackwardWay::gemm: return {gemm_way_backward(dy, x, weight, bias, g, nx, nw, nb), w};
-      case BackwardWay::aten_fp32: return {aten_fp32_conv_backward(dy, x, weight, bias, g, nx, nw, nb), w};
-      default: return {aten_conv_backward(dy, x, weight, bias, g, nx, nw, nb), BackwardWay::aten};
-    }
-  };
+  auto run = [&](BackwardWay w) { return run_backward_way(w, dy, x, weight, bias, g, nx, nw, nb); };
   const auto way = GemmWay(gemm_way.load());
   const bool gemm_fits = way != GemmWay::never && gemm_way_fits(x, weight, dy, g, nw);
   if (way == GemmWay::always && gemm_fits) return run(BackwardWay::gemm);
@@ -318,23 +323,37 @@ ConvGrads conv_backward_way(const Tensor& dy, const Tensor& x, const Tensor& wei
       return r;
     }
   }
-  // first meeting: a warm-up run each, then the fastest of two timed runs each, round-robin; the winner's result is
-  // returned, so that this call gives what every later one will
-  using clock = std::chrono::steady_clock;
-  std::vector<double> best(ways.size(), 1e300);
-  std::vector<ConvGrads> results(ways.size());
-  for (int i = 0; i < 3; ++i) {
-    for (size_t j = 0; j < ways.size(); ++j) {
-      const auto t0 = clock::now();
-      results[j] = run(ways[j]);
-      if (i > 0) best[j] = std::min(best[j], std::chrono::duration<double>(clock::now() - t0).count());
-    }
+  // first meeting: clfast.timing chooses (timed once per machine, cached; the lock is not held meanwhile: the choice
+  // runs this shape's backward itself, through `conv_backward_as`)
+  const auto chooser = c10::Dispatcher::singleton().findSchema({"clfast_timing::choose_backward", ""});
+  if (!chooser.has_value()) return run(BackwardWay::aten);
+  std::vector<int64_t> candidates;
+  for (const auto w : ways) candidates.push_back(int64_t(w));
+  const int64_t needs = int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2;
+  const auto chosen = BackwardWay(
+      chooser->typed<int64_t(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, at::IntArrayRef,
+                             at::IntArrayRef, at::IntArrayRef, int64_t, int64_t, at::IntArrayRef)>()
+          .call(dy, x, weight, bias, g.stride, g.padding, g.dilation, g.groups, needs, candidates));
+  {
+    std::lock_guard<std::mutex> lock(gemm_mutex);
+    gemm_won[key] = chosen;
   }
-  const size_t won = std::min_element(best.begin(), best.end()) - best.begin();
-  std::lock_guard<std::mutex> lock(gemm_mutex);
-  gemm_won[key] = ways[won];
-  results[won].timed = true;
-  return results[won];
+  ConvGrads r = run(chosen);
+  r.timed = true;
+  return r;
+}
+
+// One way of a conv backward, forced (what `clfast_timing::choose_backward` times); empty tensors where not needed
+std::tuple<Tensor, Tensor, Tensor> conv_backward_as(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                                    const OptTensor& bias, at::IntArrayRef stride, at::IntArrayRef padding,
+                                                    at::IntArrayRef dilation, int64_t groups, int64_t needs, int64_t way) {
+  TORCH_CHECK_VALUE(way >= 0 && way <= 2, "clfast_cpu.conv_backward_as: way 0 (aten), 1 (gemm) or 2 (aten_fp32), got ", way);
+  TORCH_CHECK_VALUE(way != 1 || gemm_way_fits(x, weight, dy, Geometry{stride, padding, dilation, groups}, needs & 2),
+                    "clfast_cpu.conv_backward_as: the GEMM way does not fit this conv");
+  const auto [dx, dw, db] = run_backward_way(BackwardWay(way), dy, x, weight, bias,
+                                             Geometry{stride, padding, dilation, groups}, needs & 1, needs & 2, needs & 4).grads;
+  auto or_empty = [&](const Tensor& t) { return t.defined() ? t : at::empty({0}, x.options()); };
+  return {or_empty(dx), or_empty(dw), or_empty(db)};
 }
 
 std::tuple<Tensor, Tensor, Tensor> conv_backward(const Tensor& dy, const Tensor& x, const Tensor& weight,
@@ -472,6 +491,8 @@ TORCH_LIBRARY(clfast_cpu, m) {
   m.def("stock_conv_backward(Tensor dy, Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
         "int[] dilation, int groups, bool[3] needs) -> (Tensor dx, Tensor dweight, Tensor dbias, int way)",
         &stock_conv_backward);
+  m.def("conv_backward_as(Tensor dy, Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, int[] dilation, "
+        "int groups, int needs, int way) -> (Tensor dx, Tensor dweight, Tensor dbias)", &conv_backward_as);
 }
 
 TORCH_LIBRARY_IMPL(clfast, CPU, m) {  // the schemas: clfast/ops.py

@@ -264,11 +264,13 @@ def _table(setups, trainers, errors, bs, device) -> pd.DataFrame:
     for s in setups:
         tr = trainers.get(s)
         ok = tr is not None and s not in errors and tr.times
-        med = statistics.median(tr.times) if ok else math.nan
-        # one statistic for both columns, so they agree: the median step time
-        speedup = (statistics.median(base.times) / med if ok and base is not None and base.times
-                   and BASELINE not in errors else math.nan)
-        rows.append(dict(setup=s.name, samples_per_s=bs / med if ok else math.nan, speedup=speedup,
+        # clfast's one statistic (`clfast.timing`): the median of paired ratios, each round's baseline step over this
+        # setup's step of the same round (setups take turns); the samples per second follow from it, so the columns agree
+        based = ok and base is not None and base.times and BASELINE not in errors
+        speedup = (1. if s == BASELINE else statistics.median(b / t for b, t in zip(base.times, tr.times))) if based else math.nan
+        per_s = (bs / statistics.median(base.times) * speedup if based else
+                 bs / statistics.median(tr.times) if ok else math.nan)
+        rows.append(dict(setup=s.name, samples_per_s=per_s, speedup=speedup,
                          memory_mib=tr.memory / 2**20 if ok else math.nan,
                          loss_drift=_drift(tr.losses, base.losses) if ok and base is not None else math.nan,
                          grad_drift=tr.grad_drift if ok else math.nan,

@@ -4,7 +4,7 @@
 
 # %% ../nbs/21_ops.ipynb #1d850bd9
 from __future__ import annotations
-import contextlib, inspect, os, shutil, warnings
+import contextlib, functools, inspect, os, shutil, warnings
 from types import SimpleNamespace
 from typing import Callable, Optional
 import torch, torch.distributed as dist
@@ -16,8 +16,8 @@ from .reference import (ConvGeometry, PARAM_ROWS, acc_dtype, ref_layer_fwd, ref_
 from .syncstats import _group_name, _synced_stats, _synced_grad_means
 
 # %% auto #0
-__all__ = ['REFERENCE', 'register_kernels', 'kernels_served', 'kernels_from', 'kernels_ready', 'autocast_on', 'no_autocast',
-           'autocast_dtype', 'autocast_cast', 'fused_conv_bn']
+__all__ = ['REFERENCE', 'TRITON', 'register_kernels', 'kernels_served', 'kernels_from', 'kernels_ready', 'autocast_on',
+           'no_autocast', 'autocast_dtype', 'autocast_cast', 'fused_conv_bn']
 
 # %% ../nbs/21_ops.ipynb #7dc203a5
 _lib = torch.library.Library('clfast', 'DEF')
@@ -56,16 +56,21 @@ def _as_inputs(grads:tuple, x:Tensor, weight:Optional[Tensor]) -> tuple:
 # kernel of the Meta key and refuse a second one unless told
 _OVERRIDE = {'allow_override': True} if 'allow_override' in inspect.signature(torch.library.Library.impl).parameters else {}
 
+def _kernel(name:str, source:Callable, fake:bool=False) -> Callable:
+    "The kernel op `name` of the kernel set `source()` returns (called at each call: it may import lazily), taking the op's arguments"
+    at = _GEOMETRY_AT[name]
+    def kernel(*args, **kw):
+        fn = getattr(source(), name)
+        if at is None: return fn(*args, **kw)
+        out = fn(*args[:at], ConvGeometry(*args[at:at + 4]), *args[at + 4:], **kw)
+        return _as_inputs(out, args[1], args[2]) if name == 'layer_bwd' and not fake else out
+    return kernel
+
 def register_kernels(lib:torch.library.Library, key:str, source:Callable, fake:bool=False):
-    "Register the kernel set `source()` returns (called at each call: it may import lazily) for dispatch key `key` in `lib`"
-    for name, at in _GEOMETRY_AT.items():
-        def kernel(*args, name=name, at=at, **kw):
-            fn = getattr(source(), name)
-            if at is None: return fn(*args, **kw)
-            out = fn(*args[:at], ConvGeometry(*args[at:at + 4]), *args[at + 4:], **kw)
-            return _as_inputs(out, args[1], args[2]) if name == 'layer_bwd' and not fake else out
-        if fake: torch.library.register_fake(f"clfast::{name}", kernel, lib=lib)
-        else: lib.impl(name, kernel, key, **_OVERRIDE)
+    "Register the kernel set `source()` returns for dispatch key `key` in `lib`"
+    for name in _GEOMETRY_AT:
+        if fake: torch.library.register_fake(f"clfast::{name}", _kernel(name, source, fake), lib=lib)
+        else: lib.impl(name, _kernel(name, source), key, **_OVERRIDE)
 
 REFERENCE = SimpleNamespace(layer_fwd=ref_layer_fwd, layer_bwd=ref_layer_bwd, batch_stats=ref_batch_stats,
                             update_running=ref_update_running)
@@ -76,6 +81,9 @@ def _triton():
 
 register_kernels(_lib, 'CompositeExplicitAutograd', lambda: REFERENCE)
 register_kernels(_lib, 'CUDA', _triton)
+# the Triton kernel ops called as `torch.ops.clfast`'s are, without the dispatcher's round trip from Python through C++
+# back to Python (its argument conversions cost a layer step's host ~10-20 us a call): see `_direct`
+TRITON = SimpleNamespace(**{name: _kernel(name, _triton) for name in _GEOMETRY_AT})
 
 # %% ../nbs/21_ops.ipynb #560c9449
 class _Fake:
@@ -116,20 +124,20 @@ def _(sum_dz, sum_dzx, y, group): return sum_dz.new_empty(2, sum_dz.shape[0])
 _loaded: dict[str, Optional[str]] = {}   # 'cpu' -> None once the C++ library loaded, else why not; 'cuda:i' -> why not, or None
 _OTHER_KERNELS = dict(ref=lambda: REFERENCE, triton=_triton)
 _FORCED: list[torch.library.Library] = []   # CLFAST_KERNELS's registration: the process's
-_SERVED: dict[str, int] = {}   # dispatch key -> how many other kernel sets serve it now (CLFAST_KERNELS, `kernels_from`)
+_SERVED: dict[str, list] = {}   # dispatch key -> the other kernel sets serving it now, the last on top (CLFAST_KERNELS, `kernels_from`)
 
 def _serve(name:str, key:str='CPU') -> torch.library.Library:
     "Register the kernel set `name` for dispatch key `key` (over its own, which return when the library is destroyed)"
     if name not in _OTHER_KERNELS: raise ValueError(f"name must be one of {tuple(_OTHER_KERNELS)}, got {name!r}")
     lib = torch.library.Library('clfast', 'IMPL')
     register_kernels(lib, key, _OTHER_KERNELS[name])
-    _SERVED[key] = _SERVED.get(key, 0) + 1
+    _SERVED.setdefault(key, []).append(name)
     return lib
 
 def kernels_served(device_type:str) -> bool:
     """Whether the kernel ops of device type `device_type` ('cpu', 'cuda', 'meta') run another kernel set than its own
     now (`CLFAST_KERNELS`, `kernels_from`): a way to test a code path, whose timings say nothing of this machine's kernels"""
-    return _SERVED.get('Meta' if device_type == 'meta' else device_type.upper(), 0) > 0
+    return bool(_SERVED.get('Meta' if device_type == 'meta' else device_type.upper()))
 
 @contextlib.contextmanager
 def kernels_from(name:str, key:str='CPU'):
@@ -140,7 +148,16 @@ def kernels_from(name:str, key:str='CPU'):
     try: yield
     finally:
         lib._destroy()
-        _SERVED[key] -= 1
+        _SERVED[key].pop()
+
+def _direct(x:Tensor) -> bool:
+    """Whether the layer op on `x` may call the Triton kernels as Python functions (`TRITON`), not through the
+    dispatcher: they are what serves `x`'s device (CUDA; or the CPU served by them, the host-cost proxy), and nothing
+    traces the call (torch.compile, a dispatch or function mode: those need the ops, whose fakes they see)"""
+    served = _SERVED.get('CPU') if x.is_cpu else None
+    if not (x.is_cuda or (served and served[-1] == 'triton')): return False
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+                or torch._C._is_torch_function_mode_enabled())
 
 def kernels_ready(device:str|torch.device='cpu') -> bool:
     """Whether the fused layer's op can run on `device`; warns once, saying why, where not. On the CPU its kernels are
@@ -218,7 +235,8 @@ class _LayerStep(torch.autograd.Function):
     node runs: this one cost 66 us more host time per layer step (CPU kernels, 8 channels, Zen 5: 252 against 186 us)"""
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom:ConvGeometry, eps, act, act_param,
-                keep_y, training, group):
+                keep_y, training, group, direct:bool=False):
+        kernels = TRITON if direct else torch.ops.clfast
         if training and group:   # this rank's conv, its statistics joined with the other ranks', then the layer
             y_here = x if weight is None else _conv(x, weight, bias, geom).contiguous(memory_format=torch.channels_last)
             mean_all, var_all, count = torch.ops.clfast.synced_stats(y_here, group)
@@ -227,14 +245,14 @@ class _LayerStep(torch.autograd.Function):
             # row 4, the variance the running average takes, unbiased with every rank's count (backward reads rows 0-3)
             params[4].mul_(count / (count - 1).clamp_min(1))
         else:
-            out, y, params = torch.ops.clfast.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *geom,
-                                                        eps, act, act_param, keep_y, None)
+            out, y, params = kernels.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *geom,
+                                               eps, act, act_param, keep_y, None)
         a = _act_of(act)
         has_act, has_res = a.name != 'none', residual is not None
         from_out = has_res and has_act and a.grad_from_out(act_param)
         ctx.save_for_backward(x, weight, bias, y, params, residual if has_res and has_act and not from_out else None,
                               out if from_out else None)
-        ctx.geom, ctx.training, ctx.act, ctx.act_param, ctx.group = geom, training, act, act_param, group
+        ctx.geom, ctx.training, ctx.act, ctx.act_param, ctx.group, ctx.kernels = geom, training, act, act_param, group, kernels
         ctx.bn_dtypes = tuple(None if t is None else t.dtype for t in (bn_weight, bn_bias))
         ctx.mark_non_differentiable(y, params)
         ctx.set_materialize_grads(False)
@@ -245,14 +263,14 @@ class _LayerStep(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("clfast's fused conv-BN has no double backward (create_graph=True): unfuse the model "
                                "(clfast.fuse.unfuse_conv_bn) for higher-order gradients")
-        if dout is None: return (None,) * 15
+        if dout is None: return (None,) * 16
         x, weight, bias, y, params, residual, out = ctx.saved_tensors
         if out is None: out = x.new_empty(0)
         needs = list(ctx.needs_input_grad[:6])
         res_through_act = needs[5] and _act_of(ctx.act).name != 'none'
         dout = dout.to(x.dtype)
-        bwd = lambda y, needs, means: torch.ops.clfast.layer_bwd(dout, x, weight, bias, y, params, residual, out, *ctx.geom,
-                                                                 ctx.training, ctx.act, ctx.act_param, needs, means)
+        bwd = lambda y, needs, means: ctx.kernels.layer_bwd(dout, x, weight, bias, y, params, residual, out, *ctx.geom,
+                                                            ctx.training, ctx.act, ctx.act_param, needs, means)
         if ctx.training and ctx.group:   # this rank's two per-channel sums, summed over the ranks, then dy from their means
             if y.numel() == 0: y = _conv(x, weight, bias, ctx.geom).contiguous(memory_format=torch.channels_last)
             _, _, _, sum_dzx, sum_dz, _ = bwd(y, [False, False, False, True, True, False], None)
@@ -263,12 +281,12 @@ class _LayerStep(torch.autograd.Function):
         if needs[5] and not res_through_act: dres = dout   # no activation: dresidual is dout
         grads = [g if need and g is not None and g.numel() else None for need, g in zip(needs, (dx, dw, db, dbw, dbb, dres))]
         grads[3:5] = [None if g is None else g.to(dt) for g, dt in zip(grads[3:5], ctx.bn_dtypes)]
-        return (*grads, *([None] * 9))
+        return (*grads, *([None] * 10))
 
 def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked,
                  training:bool, momentum, eps:float, stride, padding, dilation, groups:int, act:int, act_param:float,
-                 keep_y:bool, group:str='') -> Tensor:
-    "`torch.ops.clfast.conv_bn_act` in Python (same arguments), as `csrc/layer_op.cpp`'s `conv_bn_act`"
+                 keep_y:bool, group:str='', direct:bool=False) -> Tensor:
+    "`torch.ops.clfast.conv_bn_act` in Python (same arguments), as `csrc/layer_op.cpp`'s `conv_bn_act`; `direct`: the Triton kernels called as functions (`_direct`)"
     batch_stats = training or running_mean is None or running_var is None
     mean = var = None
     if not batch_stats:   # copies: a later in-place update of the running statistics must not change what backward saved
@@ -276,16 +294,20 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
     geom = ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups)
     synced = group if batch_stats else ''
     out, _, params = _LayerStep.apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act, act_param,
-                                      keep_y and weight is not None, batch_stats, synced)
+                                      keep_y and weight is not None, batch_stats, synced, direct)
     if training and (running_mean is not None or num_batches_tracked is not None):
         # the variance's count for Bessel's correction; 1 (none) where the synchronized step applied every rank's
         count = 1 if synced else out.numel() // out.shape[1]
-        torch.ops.clfast.update_running(running_mean, running_var, num_batches_tracked, params, momentum, count)
+        (TRITON if direct else torch.ops.clfast).update_running(running_mean, running_var, num_batches_tracked, params,
+                                                                momentum, count)
     return out
 
-def _layer_op() -> Callable:
-    "The layer op: the C++ library's where it loaded, else its Python twin"
-    return torch.ops.clfast.conv_bn_act if _loaded.get('cpu', 'not loaded') is None else _conv_bn_act
+def _layer_op(x:Tensor) -> Callable:
+    """The layer op for `x`: the C++ library's where it loaded (its autograd node is the cheapest for the host); else the
+    Python twin, calling the Triton kernels as functions where they serve `x` untraced (`_direct`: on the host-cost
+    proxy 305 against 315 us a layer step through the kernel ops, the C++ op's 290; Zen 5), else through the kernel ops"""
+    if _loaded.get('cpu', 'not loaded') is None: return torch.ops.clfast.conv_bn_act
+    return functools.partial(_conv_bn_act, direct=True) if _direct(x) else _conv_bn_act
 
 # %% ../nbs/21_ops.ipynb #7ddcb450
 def _out_size(x:Tensor, weight:Optional[Tensor], geom:ConvGeometry) -> list[int]:
@@ -314,6 +336,6 @@ def fused_conv_bn(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_w
     if not kernels_ready(x.device):
         raise RuntimeError(f"clfast's fused layer cannot run on {x.device}: {_loaded.get(str(x.device))}")
     if residual is not None and residual.dtype != x.dtype: residual = residual.to(x.dtype)
-    return _layer_op()(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var,
+    return _layer_op(x)(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var,
                                         num_batches_tracked, training, momentum, eps, *geometry, a.code,
                                         float(act_param), keep_y, group)

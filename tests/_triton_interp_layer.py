@@ -19,11 +19,13 @@ pytestmark = pytest.mark.usefixtures('fused_way')   # the Triton path of clfast'
 def test_cpu_kernels_are_tritons():
     "The CPU's kernel ops run the Triton kernels (CLFAST_KERNELS=triton), and the layer really reaches them"
     assert ops.kernels_ready()
-    # the layer op: the C++ library's, or (an install without it, no compiler: test_ops.py) its Python twin
+    # the layer op: the C++ library's, or (an install without it, no compiler: test_ops.py) its Python twin calling the
+    # Triton kernels as functions
+    op = ops._layer_op(torch.empty(1))
     if os.environ.get('CLFAST_TEST_LAYER_OP') == 'none':
-        assert ops._layer_op() is ops._conv_bn_act and 'no C++ compiler' in ops._loaded['cpu']
+        assert op.func is ops._conv_bn_act and op.keywords == {'direct': True} and 'no C++ compiler' in ops._loaded['cpu']
         assert not list(Path(ops.__file__).parent.glob('*.so'))   # the copy, with no library
-    else: assert ops._layer_op() is torch.ops.clfast.conv_bn_act
+    else: assert op is torch.ops.clfast.conv_bn_act
     cpu = next(l for l in torch._C._dispatch_dump('clfast::layer_fwd').splitlines() if l.startswith('CPU:'))
     assert 'clfast/ops.py' in cpu, cpu
     calls = []

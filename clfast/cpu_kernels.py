@@ -11,7 +11,7 @@ import clfast
 from .machine import CPU_LEVELS, LEVEL_FLAGS, ISA_CAP_ENV, clfast_isa, host_isa, is_x86
 
 # %% auto #0
-__all__ = ['CSRC', 'SOURCES', 'PACKAGE', 'GEMM_BACKWARD', 'BACKWARD_WAYS', 'missing_compiler', 'missing_toolchain', 'build_flags',
+__all__ = ['CSRC', 'SOURCES', 'BACKWARD_WAYS', 'PACKAGE', 'GEMM_BACKWARD', 'missing_compiler', 'missing_toolchain', 'build_flags',
            'ext_name', 'library_path', 'is_built', 'levels_here', 'installed_name', 'installed_library', 'build',
            'built_levels', 'main', 'load', 'set_gemm_backward', 'gemm_backward_choices']
 
@@ -96,6 +96,37 @@ def _sealed(level:str) -> bool:
     except OSError: return False
 
 def _say(msg:str): print(f"clfast: {msg}", file=sys.stderr, flush=True)
+
+# %% ../nbs/22_cpu_kernels.ipynb #ch00se01
+BACKWARD_WAYS = ('conv', 'gemm', 'fp32')   # what 'timed' can choose per shape (the C++ BackwardWay)
+
+def _choose_backward(dy, x, weight, bias, stride, padding, dilation, groups:int, needs:int, ways:list) -> int:
+    """The way (a `BACKWARD_WAYS` index) a conv backward of this shape runs, asked by the C++ library the first time it
+    meets the shape in 'timed': each candidate way timed against ATen's by `clfast.timing` (once per machine, cached);
+    the one chosen with the lowest ratio, else ATen's"""
+    from clfast.timing import decide, time_pair
+    shape = (f"conv_backward:x{list(x.shape)} w{list(weight.shape)} stride{list(stride)} pad{list(padding)} "
+             f"dil{list(dilation)} groups{groups} {str(x.dtype).removeprefix('torch.')} needs{needs} {torch.get_num_threads()}t")
+    def run(way): return lambda: torch.ops.clfast_cpu.conv_backward_as(dy, x, weight, bias, stride, padding, dilation,
+                                                                         groups, needs, way)
+    best, best_ratio = 0, float('inf')
+    with torch.no_grad():
+        for way in ways:
+            if way == 0: continue
+            t = decide(f"{shape} {BACKWARD_WAYS[way]}", lambda: time_pair(run(0), run(way)))
+            if t.chosen and t.ratio < best_ratio: best, best_ratio = way, t.ratio
+    return best
+
+_chooser = None   # the `clfast_timing` library: the Python side of the C++ library's per-shape choice
+
+def _register_chooser():
+    "Give the C++ library `clfast_timing::choose_backward` to ask (once per process)"
+    global _chooser
+    if _chooser is not None: return
+    _chooser = torch.library.Library('clfast_timing', 'DEF')
+    _chooser.define("choose_backward(Tensor dy, Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
+                    "int[] dilation, int groups, int needs, int[] ways) -> int")
+    _chooser.impl('choose_backward', _choose_backward, 'CPU')
 
 # %% ../nbs/22_cpu_kernels.ipynb #ba3a4e1e
 PACKAGE = Path(clfast.__file__).parent
@@ -185,7 +216,6 @@ def load(verbose:bool=False) -> Path|None:
 
 # %% ../nbs/22_cpu_kernels.ipynb #c3d15571
 GEMM_BACKWARD = ('conv', 'gemm', 'timed')
-BACKWARD_WAYS = ('conv', 'gemm', 'fp32')   # what 'timed' can choose per shape (the C++ BackwardWay)
 
 def set_gemm_backward(how:str) -> str:
     "Compute a fused layer's conv backward on the CPU by 'conv' (ATen), 'gemm' (matrix products, where they fit) or 'timed' (the fastest per shape, timed once per machine by `clfast.timing`: the default; for a bf16 or fp16 conv ATen's way in fp32 is a candidate too); returns the previous setting"
@@ -199,31 +229,3 @@ def gemm_backward_choices() -> dict:
     rows, dtypes = torch.ops.clfast_cpu.gemm_backward_choices()
     return {(tuple(r[:4]), tuple(r[4:8]), tuple(r[8:10]), tuple(r[10:12]), tuple(r[12:14]), dt, r[15], r[16]):
             BACKWARD_WAYS[r[17]] for r, dt in zip(rows.tolist(), dtypes)}
-
-def _choose_backward(dy, x, weight, bias, stride, padding, dilation, groups:int, needs:int, ways:list) -> int:
-    """The way (a `BACKWARD_WAYS` index) a conv backward of this shape runs, asked by the C++ library the first time it
-    meets the shape in 'timed': each candidate way timed against ATen's by `clfast.timing` (once per machine, cached);
-    the one chosen with the lowest ratio, else ATen's"""
-    from clfast.timing import decide, time_pair
-    shape = (f"conv_backward:x{list(x.shape)} w{list(weight.shape)} stride{list(stride)} pad{list(padding)} "
-             f"dil{list(dilation)} groups{groups} {str(x.dtype).removeprefix('torch.')} needs{needs} {torch.get_num_threads()}t")
-    def run(way): return lambda: torch.ops.clfast_cpu.conv_backward_as(dy, x, weight, bias, stride, padding, dilation,
-                                                                         groups, needs, way)
-    best, best_ratio = 0, float('inf')
-    with torch.no_grad():
-        for way in ways:
-            if way == 0: continue
-            t = decide(f"{shape} {BACKWARD_WAYS[way]}", lambda: time_pair(run(0), run(way)))
-            if t.chosen and t.ratio < best_ratio: best, best_ratio = way, t.ratio
-    return best
-
-_chooser = None   # the `clfast_timing` library: the Python side of the C++ library's per-shape choice
-
-def _register_chooser():
-    "Give the C++ library `clfast_timing::choose_backward` to ask (once per process)"
-    global _chooser
-    if _chooser is not None: return
-    _chooser = torch.library.Library('clfast_timing', 'DEF')
-    _chooser.define("choose_backward(Tensor dy, Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
-                    "int[] dilation, int groups, int needs, int[] ways) -> int")
-    _chooser.impl('choose_backward', _choose_backward, 'CPU')

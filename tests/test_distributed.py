@@ -49,7 +49,7 @@ def _sync_worker(rank, init, out, mode, order, dtype, sizes, kernels, exchange):
     from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, convert_sync_batchnorm
     if kernels == 'python-op':   # the layer op's Python twin, as on a GPU machine without the C++ library (this one has it)
         from clfast import ops
-        ops._layer_op = lambda: ops._conv_bn_act
+        ops._layer_op = lambda x: ops._conv_bn_act
     _init(rank, init)
     try:
         model = _net().to(dtype)

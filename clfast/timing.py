@@ -78,7 +78,7 @@ def paired_ratio(default:Callable, candidate:Callable, pairs:int, sync:Callable|
     got = [p for p, _ in zip(_pairs(default, candidate, sync, time.perf_counter), range(pairs))]
     return statistics.median(r for r, _ in got), statistics.median(d for _, d in got)
 
-# %% ../nbs/04a_timing.ipynb #7381813e
+# %% ../nbs/04a_timing.ipynb #65eface3
 TIMINGS = 'timings'    # the `MachineCache` of every timed decision
 LOCK_TIMEOUT = 600.    # seconds a process waits for another's measurement before it keeps the default
 
@@ -104,8 +104,14 @@ def measuring(timeout:float|None=None):
             finally: _depth -= 1
             return
         path = cache_dir()/'measuring.lock'
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, deadline = os.open(path, os.O_CREAT | os.O_RDWR, 0o644), time.monotonic() + timeout
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, deadline = os.open(path, os.O_CREAT | os.O_RDWR, 0o644), time.monotonic() + timeout
+        except OSError:   # no writable cache directory: nothing is shared with other processes either
+            _depth += 1
+            try: yield
+            finally: _depth -= 1
+            return
         try:
             while True:
                 try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); break
@@ -130,11 +136,12 @@ def decide(key:str, measure:Callable[[], Timing|bool]) -> Timing|bool:
     cache = _TimingCache(TIMINGS)
     got = _parse(cache.get(key))
     if got is None:
-        if not _said and set(cache._load()) - {cache.key()}:
-            _said.add('another')
+        mine = machine_key() + ' | clfast '
+        if 'another version' not in _said and any(k.startswith(mine) for k in cache._load() if k != cache.key()):
+            _said.add('another version')   # (other machines' entries, or this one's at other thread counts, are not ours)
             from clfast.core import ClfastWarning
-            warnings.warn(f"clfast: the timings cached in {cache.path} are another machine's or clfast version's; "
-                          "this one measures its own (once).", ClfastWarning, stacklevel=3)
+            warnings.warn(f"clfast: the timings cached in {cache.path} for this machine are another clfast version's; "
+                          "this one measures its own (once each).", ClfastWarning, stacklevel=3)
         try:
             with measuring():
                 got = _parse(cache.get(key))   # measured by another process while this one waited

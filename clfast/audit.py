@@ -13,7 +13,10 @@ from torch.utils._pytree import tree_flatten
 from fastcore.basics import *
 from fastai.learner import Learner
 from fastai.callback.core import Callback
+from fastai.callback.fp16 import MixedPrecision as FastaiMP
+from fastai.callback.schedule import ParamScheduler
 from .guard import guard_report, short_input_route
+from .amp import MixedPrecision
 from .core import cl_format, is_ambiguous, is_channels_last, is_image_tensor, to_channels_last, model_to
 
 # %% auto #0
@@ -258,9 +261,6 @@ def _learner_loss(learn:Learner, yb):
 # %% ../nbs/10_audit.ipynb #44324d99
 def _fit_only(cb:Callback) -> bool:
     "Callbacks whose `before_batch` needs a running fit and does not change the batch, or audits it itself"
-    from fastai.callback.fp16 import MixedPrecision as FastaiMP
-    from fastai.callback.schedule import ParamScheduler
-    from clfast.amp import MixedPrecision
     return isinstance(cb, (MixedPrecision, FastaiMP, ParamScheduler, ChannelsLastAudit))
 
 _STEP_ATTRS = ('xb', 'yb', 'training', 'iter', 'dl', 'n_iter')
@@ -277,9 +277,8 @@ def _fit_batch(learn:Learner, b):
 # %% ../nbs/10_audit.ipynb #f92d4f10
 def _not_channels_last(learn:Learner) -> str|None:
     "Why the learner's training would not run channels-last, or None"
-    import fastai.callback.channelslast as fastai_cl
-    from clfast.callback import ChannelsLast
-    if any(isinstance(cb, (ChannelsLast, fastai_cl.ChannelsLast)) for cb in learn.cbs): return None
+    # fastai's ChannelsLast or clfast's: either is attached as `learn.channels_last` (clfast.callback imports this module)
+    if isinstance(learn.__dict__.get('channels_last'), Callback): return None
     if any(cl_format(p) is not None and not is_ambiguous(p) and is_channels_last(p) for p in learn.model.parameters()): return None
     return ("not audited: the model is not channels-last (no ChannelsLast callback, contiguous weights), so training "
             "never runs channels-last; call `learn.to_channelslast()` first")

@@ -22,6 +22,7 @@ from .fused import MODES
 from .fuse import fuse_conv_bn, unfuse_conv_bn, is_fused, fusion_report
 from .guard import guard_model, unguard_model, model_device
 from .graphs import CudaGraphs
+from .finder import auto_setup
 
 # %% auto #0
 __all__ = ['fuse_mode', 'ChannelsLast']
@@ -123,7 +124,6 @@ def to_channelslast(self:Learner,
         if explicit or fuse is not False or not use_amp or graphs or compile is not None:
             raise ValueError("to_channelslast(auto=True) chooses the format, precision, fuse mode, graphs and compile "
                              "itself: drop use_amp/amp_mode/fuse/graphs/compile/GradScaler arguments, or drop auto=True.")
-        from clfast.finder import auto_setup
         return auto_setup(self)
     amp_mode, fuse = amp_mode_of(amp_mode), fuse_mode(fuse)
     new_amp = MixedPrecision(amp_mode, **kwargs) if use_amp else None   # its arguments checked before anything changes

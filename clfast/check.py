@@ -15,6 +15,9 @@ from .core import ClfastWarning
 from .machine import MachineCache, machine_key, clfast_isa
 from . import cpu_kernels
 from .guard import CHECK_CACHE, _conv_params, guard_model
+from .amp import MixedPrecision, resolve_amp
+from .audit import _train_batches
+from .timing import report
 
 # %% auto #0
 __all__ = ['CHECK_TOLERANCE', 'conv_geometries', 'conv_numerics', 'check_worker', 'check_geometries', 'grad_error',
@@ -218,7 +221,6 @@ def check_channelslast(model:nn.Module, *inputs, precision='float32', n:int=2, t
 
 # %% ../nbs/06_check.ipynb #645716c2
 def _learner_precision(learn) -> str:
-    from clfast.amp import MixedPrecision, resolve_amp
     import fastai.callback.fp16 as fastai_fp16
     amps = [cb for cb in learn.cbs if isinstance(cb, (MixedPrecision, fastai_fp16.MixedPrecision))]
     return _precision(resolve_amp('cpu', amps[0].amp_mode)[0]) if amps else 'float32'
@@ -226,7 +228,6 @@ def _learner_precision(learn) -> str:
 @patch
 def check_channelslast(self:Learner, n:int=2, timeout:float=60, guard:bool=True) -> pd.DataFrame:
     "Check each distinct conv geometry of the model on `n` items of a training batch, in channels-last at the learner's precision, against fp64"
-    from clfast.audit import _train_batches
     xb, _ = _train_batches(self, 1)[0]
     return check_channelslast(self.model, *xb, precision=_learner_precision(self), n=n, timeout=timeout, guard=guard)
 
@@ -242,7 +243,6 @@ def _model_named(arch:str) -> nn.Module:
 
 def main(a:argparse.Namespace):
     "`clfast check`, given its options (`clfast.cli.check_parser`): the timed decisions, and the numerics self-check of a timm/torchvision model's convs on this machine"
-    from clfast.timing import report
     print(report())
     if a.arch is None: return 0
     print()

@@ -8,7 +8,7 @@ import sys
 import torch, torch.distributed as dist, torch.nn.functional as F
 from torch import nn, Tensor
 from .ops import fused_conv_bn, kernels_ready
-from .stock import AsStock
+from .stock import AsStock, rebuilt
 from .act import act_of
 
 # %% auto #0
@@ -125,13 +125,13 @@ def _sync_of(stock:type) -> type:
 
 # %% ../nbs/27_bn.ipynb #77c57470
 def make_precise(bn:nn.Module, sync:bool=False, process_group=None) -> nn.Module:
-    "Turn `bn` (see `can_be_precise`) into its precise class in place; `sync` makes it synchronize over `process_group` (None: the world)"
+    "A precise module doing `bn`'s work (see `can_be_precise`) over its parameters, buffers and hooks (`rebuilt`), to put where `bn` was (`replace_modules`); `sync` makes it synchronize over `process_group` (None: the world)"
     if not can_be_precise(bn, sync):
         raise TypeError(f"{type(bn).__name__} cannot be made precise: clfast's op does the work of an nn.BatchNorm2d or "
                         "nn.SyncBatchNorm (or timm's BatchNormAct2d with a fusable activation and no drop)")
     stock = _sync_of(stock_class(bn)) if sync else stock_class(bn)
     kernels_ready()   # now, not in a traced forward
-    bn.__class__ = precise_class(stock)
-    if sync: bn.process_group = process_group
-    elif issubclass(stock, nn.SyncBatchNorm) and not hasattr(bn, 'process_group'): bn.process_group = None
-    return bn
+    new = rebuilt(bn, precise_class(stock))
+    if sync: new.process_group = process_group
+    elif issubclass(stock, nn.SyncBatchNorm) and not hasattr(new, 'process_group'): new.process_group = None
+    return new

@@ -13,7 +13,7 @@ from torch.torch_version import TorchVersion
 from torch._prims_common import suggest_memory_format
 from .machine import MachineCache, ISA_ORDER, _isa_of, onednn_isa   # (machine.py: the one place that reads the CPU)
 from .timing import Timing, time_pair, decide, forget_timings
-from .stock import AsStock
+from .stock import AsStock, rebuilt, replace_modules
 from .bn import make_precise, imprecise_cl_batch_norm, can_be_precise, is_precise, is_sync_bn
 from .ops import kernels_ready, autocast_cast, autocast_dtype, no_autocast
 
@@ -366,10 +366,12 @@ def _is_fused_conv(m) -> bool:
 
 def unguard_model(model:nn.Module) -> nn.Module:
     "Remove every guard `guard_model` put on `model`, in place (guarded convs and precise BNs back to their stock classes); idempotent"
+    stock = {}
     for m in model.modules():
         if getattr(m, '_cl_guard', None) is not None: m._cl_guard = None
         # a precise SyncBatchNorm stays: on the CPU it is the only SyncBatchNorm that runs (PyTorch's has no CPU kernel)
-        if type(m) is GuardedConv2d or (is_precise(m) and not is_sync_bn(m)): m._to_stock()
+        if type(m) is GuardedConv2d or (is_precise(m) and not is_sync_bn(m)): stock[m] = m._stock_module()
+    replace_modules(model, stock)
     _guard_reports.pop(model, None)
     return model
 
@@ -395,16 +397,16 @@ def guard_model(model:nn.Module, device:torch.device|str|None=None) -> list:
     removed) and no premise is probed, since every guard, route and probe is about a CPU kernel"""
     unguard_model(model)
     if torch.device(model_device(model) if device is None else device).type != 'cpu': return []
-    failures, guarded, skipped = _checked_failures(), [], []
-    for name, m in model.named_modules():
-        if not is_precise(m) and can_be_precise(m) and IMPRECISE_CL_BATCH_NORM.present(): make_precise(m)   # per call: CPU, channels-last
+    failures, guarded, skipped, new = _checked_failures(), [], [], {}
+    for name, m in list(model.named_modules()):
+        if not is_precise(m) and can_be_precise(m) and IMPRECISE_CL_BATCH_NORM.present(): new[m] = make_precise(m)   # per call: CPU, channels-last
         if not isinstance(m, nn.Conv2d): continue
         plan = guard_plan(m, failures)
         if plan is None:
             if type(m) is nn.Conv2d and (may_meet_short_input(m) or may_meet_slow_backward(m) or may_meet_slow_pointwise(m)):
-                m.__class__ = GuardedConv2d   # routed per call
+                new[m] = rebuilt(m, GuardedConv2d)   # routed per call
             continue
-        if type(m) is nn.Conv2d: m.__class__ = GuardedConv2d
+        if type(m) is nn.Conv2d: new[m] = m = rebuilt(m, GuardedConv2d)
         # fused convs and GuardedConv2d's subclasses (clfast.fuse's PointwiseConv2d) read the plan; a frozen conv
         # (folded for inference) never computes the bad weight gradient
         elif not (_is_fused_conv(m) or isinstance(m, GuardedConv2d)):
@@ -412,6 +414,7 @@ def guard_model(model:nn.Module, device:torch.device|str|None=None) -> list:
             continue
         m._cl_guard = plan
         guarded.append((name, plan.workaround, plan.why))
+    replace_modules(model, new)   # each where its stock module was (the root: in place)
     if skipped:
         import warnings
         warnings.warn(f"clfast guard: {', '.join(f'{n} ({t})' for n,t in skipped)} would reach a known-bad stock kernel "

@@ -8,11 +8,11 @@ import copy, copyreg
 from torch import nn
 
 # %% auto #0
-__all__ = ['AsStock']
+__all__ = ['AsStock', 'rebuilt', 'replace_modules']
 
 # %% ../nbs/18_stock.ipynb #d4cc79cb
 class AsStock:
-    "Mixin of a class swapped in for the stock module class `_stock_class`: pickles as that class without the attributes `_own_attrs`, deep-copies as itself, turns back in place"
+    "Mixin of a class standing in for the stock module class `_stock_class`: pickles as that class without the attributes `_own_attrs`, deep-copies as itself, turns back (`_stock_module`; in place: `_to_stock`)"
     _stock_class, _own_attrs = nn.Module, ()
     def __reduce_ex__(self, protocol):
         if not self._pickles_as_stock(): return super().__reduce_ex__(protocol)
@@ -24,6 +24,9 @@ class AsStock:
         memo[id(self)] = new
         for k,v in self.__dict__.items(): new.__dict__[k] = copy.deepcopy(v, memo)
         return new
+    def _stock_module(self) -> nn.Module:
+        "This module as its stock class: a new module holding its state (`rebuilt`), less clfast's own attributes"
+        return rebuilt(self, self._stock_class, drop=self._own_attrs)
     def _stock_view(self) -> nn.Module:
         "A new module of the stock class sharing this one's parameters, buffers and submodules"
         m = self._stock_class.__new__(self._stock_class)
@@ -34,3 +37,23 @@ class AsStock:
         "Turn back into the stock class in place"
         for k in self._own_attrs: self.__dict__.pop(k, None)
         self.__class__ = self._stock_class
+
+# %% ../nbs/18_stock.ipynb #r3b1d002
+def rebuilt(module:nn.Module, cls:type, drop:tuple=()) -> nn.Module:
+    "A new `cls` module over `module`'s state: its parameters, buffers, submodules, hooks and attributes (the same objects), less the attributes `drop`"
+    new = cls.__new__(cls)
+    new.__dict__.update({k: v for k, v in module.__dict__.items() if k not in drop})
+    return new
+
+def replace_modules(root:nn.Module, new:dict) -> nn.Module:
+    """Put each replacement of `new` (`{module: its replacement}`) where its module is registered under `root`; returns
+    `root`. The root itself cannot be put anywhere else (its caller holds it), so it takes its replacement's class and
+    attributes: the one place this changes an object's class"""
+    if not new: return root
+    for parent in list(root.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is not None and child in new: parent._modules[name] = new[child]
+    if root in new:
+        root.__dict__.update(new[root].__dict__)
+        root.__class__ = type(new[root])
+    return root

@@ -114,7 +114,7 @@ def test_layer_without_conv(act):
     bn = timm.layers.BatchNormAct2d(6, act_layer=nn.SiLU) if act == 'silu' else nn.BatchNorm2d(6)
     with torch.no_grad(): bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.5, 0.5)
     ref = copy.deepcopy(bn).double()
-    make_precise(bn)
+    bn = make_precise(bn)
     x = (torch.randn(2, 6, 5, 5) * 2 + 1).to(memory_format=torch.channels_last).requires_grad_()
     x64 = x.detach().double().requires_grad_()
     dy = torch.randn(2, 6, 5, 5, dtype=torch.float64)

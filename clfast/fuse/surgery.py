@@ -9,6 +9,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from ..bn import make_precise, cpu_sync_capable
+from ..stock import replace_modules
 from ..act import act_of
 from ..fused import FusedConvBN2d, _FusedMixin, check_mode, fusable_bn, pass_through
 from .report import FusionReport, _reports
@@ -212,8 +213,8 @@ def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Mo
     if verbose: print(report)
     # converted before fusing: SyncBatchNorms left unfused cannot run on the CPU as PyTorch's; clfast's precise BN can
     if refused := _cpu_sync_refusals(model, cls=nn.SyncBatchNorm): _refuse_cpu_sync(model, refused, 'are')
-    for m in model.modules():
-        if type(m) is nn.SyncBatchNorm and _on_cpu(m) and cpu_sync_capable(m): make_precise(m)
+    replace_modules(model, {m: make_precise(m) for m in model.modules()
+                            if type(m) is nn.SyncBatchNorm and _on_cpu(m) and cpu_sync_capable(m)})
     return model
 
 def unfuse_conv_bn(model:nn.Module) -> nn.Module:

@@ -15,6 +15,7 @@ from .report import _reports
 from .blocks import _conv_kind
 from .surgery import _Fuser, unfuse_conv_bn
 from .pointwise import to_pointwise
+from ..stock import rebuilt, replace_modules
 
 # %% auto #0
 __all__ = ['FoldedConv2d', 'fold_conv_bn']
@@ -101,17 +102,16 @@ def fold_conv_bn(model:nn.Module, inplace:bool=False, onednn:bool=True) -> nn.Mo
     unfuse_conv_bn(unguard_model(m))   # inference needs no guard: the known-bad kernels are backward ones
     fuser = _Fuser(m, 'speed', check=_foldable)
     fuser.visit(m)
-    parents = [(p, n, c) for p in m.modules() for n,c in p.named_children()]
+    new = {}
     for conv in [c for c in m.modules() if isinstance(c, FusedConvBN2d) and c.surgical]:
         bn, act, act_param = conv._fused_bn, conv.act, conv.act_param
         w, b = fuse_conv_bn_weights(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias)
-        for k in conv._own_attrs: conv.__dict__.pop(k, None)
-        conv.__class__ = FoldedConv2d
-        conv._parameters['weight'], conv._parameters['bias'] = w.detach().requires_grad_(False), b.detach().requires_grad_(False)
-        conv.__dict__.update(act=act, act_param=act_param, onednn=onednn and torch.backends.mkldnn.is_available(),
-                             surgical=False)
-        for p,n,c in parents:
-            if c is bn: setattr(p, n, nn.Identity())
+        folded = new[conv] = rebuilt(conv, FoldedConv2d, drop=conv._own_attrs)
+        folded._parameters = type(conv._parameters)(weight=w.detach().requires_grad_(False), bias=b.detach().requires_grad_(False))
+        folded.__dict__.update(act=act, act_param=act_param, onednn=onednn and torch.backends.mkldnn.is_available(),
+                               surgical=False)
+        new[bn] = nn.Identity()
+    replace_modules(m, new)
     report = fuser.finish()
     report.pointwise = to_pointwise(m)
     for c in m.modules():  # a folded model is not undone by unfuse_conv_bn: its BNs are gone

@@ -8,6 +8,7 @@ import torch, torch.nn.functional as F
 from torch import nn, Tensor
 from ..guard import GuardedConv2d, is_pointwise, on_pointwise_maps, pointwise_product
 from ..fused import _FusedMixin
+from ..stock import rebuilt, replace_modules
 
 # %% auto #0
 __all__ = ['PointwiseConv2d', 'to_pointwise']
@@ -21,11 +22,12 @@ class PointwiseConv2d(_FusedMixin, GuardedConv2d):
         return self._conv_forward(input, self.weight, self.bias)   # GuardedConv2d's: as `clfast.guard` plans
 
 def to_pointwise(model:nn.Module, surgical:bool=True) -> list:
-    "Turn each `is_pointwise` conv of `model` into a `PointwiseConv2d` in place (undone by `_to_stock` when `surgical`); their names"
-    names = []
+    "Put a `PointwiseConv2d` over each `is_pointwise` conv of `model`, where the conv was (undone by `unfuse_conv_bn` when `surgical`); their names"
+    names, new = [], {}
     for n, m in model.named_modules():
         if is_pointwise(m):
-            m.__class__ = PointwiseConv2d
-            m.__dict__['surgical'] = surgical
+            new[m] = rebuilt(m, PointwiseConv2d)
+            new[m].__dict__['surgical'] = surgical
             names.append(n)
+    replace_modules(model, new)
     return names

@@ -219,7 +219,7 @@ def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Mo
 
 def unfuse_conv_bn(model:nn.Module) -> nn.Module:
     "Turn every module `fuse_conv_bn` fused back into its stock class in place; idempotent"
-    for m in list(model.modules()):
-        if isinstance(m, _FusedMixin) and getattr(m, 'surgical', True): m._to_stock()
+    replace_modules(model, {m: m._stock_module() for m in model.modules()
+                            if isinstance(m, _FusedMixin) and getattr(m, 'surgical', True)})
     _reports.pop(model, None)
     return model

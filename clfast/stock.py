@@ -12,7 +12,7 @@ __all__ = ['AsStock', 'rebuilt', 'replace_modules']
 
 # %% ../nbs/18_stock.ipynb #d4cc79cb
 class AsStock:
-    "Mixin of a class standing in for the stock module class `_stock_class`: pickles as that class without the attributes `_own_attrs`, deep-copies as itself, turns back (`_stock_module`; in place: `_to_stock`)"
+    "Mixin of a class standing in for the stock module class `_stock_class`: pickles as that class without the attributes `_own_attrs`, deep-copies as itself, turns back (`_stock_module`)"
     _stock_class, _own_attrs = nn.Module, ()
     def __reduce_ex__(self, protocol):
         if not self._pickles_as_stock(): return super().__reduce_ex__(protocol)
@@ -33,10 +33,7 @@ class AsStock:
         m.__dict__.update({k:(type(v)(v) if isinstance(v, dict) else v) for k,v in self.__dict__.items()
                            if k not in self._own_attrs})
         return m
-    def _to_stock(self):
-        "Turn back into the stock class in place"
-        for k in self._own_attrs: self.__dict__.pop(k, None)
-        self.__class__ = self._stock_class
+
 
 # %% ../nbs/18_stock.ipynb #r3b1d002
 def rebuilt(module:nn.Module, cls:type, drop:tuple=()) -> nn.Module:

@@ -28,18 +28,16 @@ class AsStock:
         "This module as its stock class: a new module holding its state (`rebuilt`), less clfast's own attributes"
         return rebuilt(self, self._stock_class, drop=self._own_attrs)
     def _stock_view(self) -> nn.Module:
-        "A new module of the stock class sharing this one's parameters, buffers and submodules"
-        m = self._stock_class.__new__(self._stock_class)
-        m.__dict__.update({k:(type(v)(v) if isinstance(v, dict) else v) for k,v in self.__dict__.items()
-                           if k not in self._own_attrs})
-        return m
-
+        "A new module of the stock class sharing this one's parameters, buffers and submodules, beside it"
+        return rebuilt(self, self._stock_class, drop=self._own_attrs, own_dicts=True)
 
 # %% ../nbs/18_stock.ipynb #r3b1d002
-def rebuilt(module:nn.Module, cls:type, drop:tuple=()) -> nn.Module:
-    "A new `cls` module over `module`'s state: its parameters, buffers, submodules, hooks and attributes (the same objects), less the attributes `drop`"
+def rebuilt(module:nn.Module, cls:type, drop:tuple=(), own_dicts:bool=False) -> nn.Module:
+    """A new `cls` module over `module`'s state: its parameters, buffers, submodules, hooks and attributes (the same
+    objects), less the attributes `drop`; `own_dicts`: in dicts of its own (a view that lives beside `module`)"""
     new = cls.__new__(cls)
-    new.__dict__.update({k: v for k, v in module.__dict__.items() if k not in drop})
+    new.__dict__.update({k: (type(v)(v) if own_dicts and isinstance(v, dict) else v)
+                         for k, v in module.__dict__.items() if k not in drop})
     return new
 
 def replace_modules(root:nn.Module, new:dict) -> nn.Module:
@@ -50,7 +48,8 @@ def replace_modules(root:nn.Module, new:dict) -> nn.Module:
     for parent in list(root.modules()):
         for name, child in list(parent._modules.items()):
             if child is not None and child in new: parent._modules[name] = new[child]
-    if root in new:
-        root.__dict__.update(new[root].__dict__)
+    if root in new:   # its whole state: what the replacement dropped (clfast's own attributes) goes too
+        state = dict(new[root].__dict__)
+        root.__dict__.clear(); root.__dict__.update(state)
         root.__class__ = type(new[root])
     return root

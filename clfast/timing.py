@@ -78,7 +78,7 @@ def paired_ratio(default:Callable, candidate:Callable, pairs:int, sync:Callable|
     got = [p for p, _ in zip(_pairs(default, candidate, sync, time.perf_counter), range(pairs))]
     return statistics.median(r for r, _ in got), statistics.median(d for _, d in got)
 
-# %% ../nbs/04a_timing.ipynb #65eface3
+# %% ../nbs/04a_timing.ipynb #754c3a24
 TIMINGS = 'timings'    # the `MachineCache` of every timed decision
 LOCK_TIMEOUT = 600.    # seconds a process waits for another's measurement before it keeps the default
 
@@ -92,37 +92,36 @@ _here: dict[str, Timing] = {}   # this process's decisions by key: read before t
 _said: set = set()
 _thread_lock, _depth = threading.RLock(), 0
 
+def _lock_file() -> int|None:
+    "This machine's measuring lock file, open; None where processes cannot share one (no fcntl, no writable cache dir)"
+    if fcntl is None: return None
+    path = cache_dir()/'measuring.lock'
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError: return None
+
 @contextlib.contextmanager
 def measuring(timeout:float|None=None):
     "Hold this machine's measuring lock (reentrant): one process and thread times at once; TimeoutError after `timeout` s (`LOCK_TIMEOUT`)"
     global _depth
     timeout = LOCK_TIMEOUT if timeout is None else timeout
     with _thread_lock:
-        if _depth or fcntl is None:   # held already by this thread; or no fcntl (Windows): this process alone
-            _depth += 1
-            try: yield
-            finally: _depth -= 1
-            return
-        path = cache_dir()/'measuring.lock'
+        fd = None if _depth else _lock_file()   # held already by this thread, or this process alone
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, deadline = os.open(path, os.O_CREAT | os.O_RDWR, 0o644), time.monotonic() + timeout
-        except OSError:   # no writable cache directory: nothing is shared with other processes either
-            _depth += 1
-            try: yield
-            finally: _depth -= 1
-            return
-        try:
-            while True:
+            deadline = time.monotonic() + timeout
+            while fd is not None:
                 try: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); break
                 except BlockingIOError:
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"another process held clfast's measuring lock ({path}) for over {timeout:.0f} s")
+                        raise TimeoutError(f"another process held clfast's measuring lock ({cache_dir()/'measuring.lock'}) "
+                                           f"for over {timeout:.0f} s")
                     time.sleep(0.05)
-            _depth = 1
+            _depth += 1
             try: yield
-            finally: _depth = 0; fcntl.flock(fd, fcntl.LOCK_UN)
-        finally: os.close(fd)
+            finally: _depth -= 1
+        finally:
+            if fd is not None: os.close(fd)   # closing releases the lock
 
 def _parse(v) -> Timing|bool|None:
     "A cached decision: a `Timing`, or a bool (a premise measured by its numerics, `clfast.bn`), or None (not one: measured again)"

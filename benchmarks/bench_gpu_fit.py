@@ -7,13 +7,17 @@ memory, time of the first steps: compile, capture, clfast's per-layer timing).
     python benchmarks/bench_gpu_fit.py --device cpu --models resnet18 --bs 4 --px 64 --steps 2 --warm 5   # a dry run
 
 Batches are synthetic and in memory (one batch of random images on the device, served again each step: the loader
-costs nothing, the step is the model's, the optimizer's and fastai's own callbacks'). Each row trains a fresh copy of
-the model in one `fit` of `warm + steps` batches; the clock runs over the last `steps` (GPU synchronized at both ends),
-after the setup's first steps (which compile, capture its CUDA graph, or time clfast's layers). Rows run in priority
-order (the issue's goals first) until `--budget` seconds are spent; rows left over print as not run.
+costs nothing, the step is the model's, the optimizer's and fastai's own callbacks'). One group is a model, batch size
+and dtype: each of its setups trains its own copy of the model, and `--rounds` times over, in an order rotated each
+round, each setup runs one `fit` of `warm + steps` batches, the clock over the last `steps` (GPU synchronized at both
+ends), after the setup's first steps (which compile, capture its CUDA graph, or time clfast's layers). A setup's img/s
+is its median over the rounds and its ratio to another the median of the per-round ratios: setups measured seconds
+apart, so that the machine's drift (a 17% swing between two runs of one row on an H100) cancels. Peak memory is a
+setup's own: its step's peak over what was allocated before that fit, plus its model, gradients and optimizer state.
+Groups run in priority order (the issue's goals first) until `--budget` seconds are spent; the rest print as not run.
 """
 from __future__ import annotations
-import argparse, copy, gc, signal, sys, time, warnings
+import argparse, copy, gc, signal, statistics, sys, time, warnings
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
@@ -50,16 +54,14 @@ SETUPS = {   # name: (what it does, its description)
 CORE = ['stock-cl', 'fastai', 'clfast', 'speed', 'graphs', 'speed+graphs', 'memory']   # every row; the rest where it pays
 
 def plan(models, batch_sizes, dtypes) -> list:
-    "Rows in priority order: the issue's goal rows first (resnet50's), compile beside them, then the rest"
-    first, last = models[0], models[1:]
-    rows = [(first, bs, dt, s) for bs in batch_sizes for dt in dtypes for s in CORE]
-    rows += [(first, max(batch_sizes), dt, 'compile-cl') for dt in dtypes]
-    rows += [(m, bs, dt, s) for m in last for bs in batch_sizes for dt in dtypes for s in CORE if s != 'memory']
-    rows += [(first, max(batch_sizes), dtypes[0], 'speed+compile')]
-    rows += [(m, bs, dt, 'contiguous') for m in models for bs in batch_sizes for dt in dtypes]
-    rows += [(first, bs, dt, 'compile-cl') for bs in batch_sizes if bs != max(batch_sizes) for dt in dtypes]
-    rows += [(m, bs, dt, 'memory') for m in last for bs in batch_sizes for dt in dtypes]
-    return list(dict.fromkeys(rows))
+    """Groups (model, batch, dtype, setups) in priority order: the first model's (the issue's goals), then its compiled
+    setups at the largest batch beside stock and clfast's best eager one (a compile takes about a minute), then the rest"""
+    first, last, big = models[0], models[1:], max(batch_sizes)
+    groups = [(first, bs, dt, CORE + ['contiguous']) for bs in batch_sizes for dt in dtypes]
+    groups += [(first, big, dt, ['stock-cl', 'speed+graphs', 'compile-cl'] + (['speed+compile'] if i == 0 else []))
+               for i, dt in enumerate(dtypes)]
+    groups += [(m, bs, dt, [s for s in CORE if s != 'memory'] + ['contiguous']) for m in last for bs in batch_sizes for dt in dtypes]
+    return groups
 
 def make_model(name:str) -> nn.Module:
     import timm, torchvision
@@ -84,59 +86,124 @@ class Clock(Callback):
     def after_batch(self):
         if self.training and self.iter == self.n_iter - 1: self.sync(); self.t1 = time.perf_counter()
 
-def run_row(model_name, bs, dtype, setup, args, bases) -> dict:
-    dev = torch.device(args.device)
-    sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
-    g = torch.Generator().manual_seed(0)
-    xb = TensorImage(torch.randn(bs, 3, args.px, args.px, generator=g).to(dev))   # contiguous, as a loader's batch is
-    yb = TensorCategory(torch.randint(0, 1000, (bs,), generator=g).to(dev))
-    n = args.warm + args.steps
-    dls = DataLoaders(SameBatch(xb, yb, n), SameBatch(xb, yb, 0), device=dev)
-    if model_name not in bases: bases[model_name] = make_model(model_name)
-    gc.collect()
-    if dev.type == 'cuda': torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats()
-    learn = Learner(dls, copy.deepcopy(bases[model_name]).to(dev), loss_func=CrossEntropyLossFlat(), lr=1e-4)
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter('always')
-        SETUPS[setup][0](learn, {'bfloat16': 'bf16', 'float16': 'fp16'}[dtype])
-        clock = Clock(args.warm, sync)
-        with learn.no_logging(), learn.no_bar(): learn.fit(1, cbs=[clock])
-    notes = sorted({str(w.message).split(';')[0][:120] for w in said if 'clfast' in type(w.message).__module__
-                    or 'CudaGraphs' in str(w.message)})
-    graphs = getattr(learn, 'cuda_graphs', None)
-    res = dict(img_s=args.steps * bs / (clock.t1 - clock.t0), first_s=clock.t0 - clock.start,
-               peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == 'cuda' else float('nan'),
-               note='; '.join(notes))
-    if graphs is not None and not notes: res['note'] = f"{graphs.captured} shape(s) replayed"
-    del learn, dls, xb, yb
-    return res
+def _own_bytes(learn) -> int:
+    "What a Learner keeps between steps: its model's parameters and buffers, their gradients, the optimizer's state"
+    ts = [*learn.model.parameters(), *learn.model.buffers(), *(p.grad for p in learn.model.parameters() if p.grad is not None)]
+    if learn.opt is not None:
+        ts += [v for st in learn.opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts if t.device.type == 'cuda'}
+    return sum(storages.values())
 
-def table(rows, results, dtypes) -> str:
+class Group:
+    "One model, batch size and dtype: each setup's Learner, fitted once per round"
+    def __init__(self, model_name, bs, dtype, setups, args, bases):
+        self.key, self.setups, self.args = (model_name, bs, dtype), list(setups), args
+        self.dev = torch.device(args.device)
+        g = torch.Generator().manual_seed(0)
+        self.xb = TensorImage(torch.randn(bs, 3, args.px, args.px, generator=g).to(self.dev))   # contiguous, as a loader's batch is
+        self.yb = TensorCategory(torch.randint(0, 1000, (bs,), generator=g).to(self.dev))
+        if model_name not in bases: bases[model_name] = make_model(model_name)
+        self.base, self.learners, self.runs = bases[model_name], {}, {s: [] for s in setups}
+        self.notes, self.errors, self.first_s, self.peak = {}, {}, {}, {}
+
+    def sync(self):
+        if self.dev.type == 'cuda': torch.cuda.synchronize()
+
+    def _learner(self, setup):
+        n = self.args.warm + self.args.steps
+        dls = DataLoaders(SameBatch(self.xb, self.yb, n), SameBatch(self.xb, self.yb, 0), device=self.dev)
+        learn = Learner(dls, copy.deepcopy(self.base).to(self.dev), loss_func=CrossEntropyLossFlat(), lr=1e-4)
+        SETUPS[setup][0](learn, {'bfloat16': 'bf16', 'float16': 'fp16'}[self.key[2]])
+        return learn
+
+    def fit(self, setup, first:bool):
+        "One fit of `setup`: its img/s over the timed steps"
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter('always')
+            if setup not in self.learners: self.learners[setup] = self._learner(setup)
+            learn, clock = self.learners[setup], Clock(self.args.warm, self.sync)
+            cuda = self.dev.type == 'cuda'
+            if cuda:   # what the fit adds to what is allocated, plus what this Learner already held: its own peak
+                self.sync(); before, own = torch.cuda.memory_allocated(), _own_bytes(learn); torch.cuda.reset_peak_memory_stats()
+            with learn.no_logging(), learn.no_bar(): learn.fit(1, cbs=[clock])
+            if cuda: self.peak[setup] = (torch.cuda.max_memory_allocated() - before + own) / 2**30
+        if first:
+            self.first_s[setup] = clock.t0 - clock.start
+            self.notes[setup] = sorted({str(w.message).split(';')[0][:120] for w in said
+                                        if 'clfast' in type(w.message).__module__ or 'CudaGraphs' in str(w.message)})
+        graphs = getattr(learn, 'cuda_graphs', None)
+        if graphs is not None and not self.notes[setup]: self.notes[setup] = [f"{graphs.captured} shape(s) replayed"]
+        return self.args.steps * self.key[1] / (clock.t1 - clock.t0)
+
+    def run(self, log):
+        for r in range(self.args.rounds):
+            k = r % len(self.setups)
+            for setup in self.setups[k:] + self.setups[:k]:
+                if setup in self.errors: continue
+                t = time.perf_counter()
+                try: self.runs[setup].append((r, self.fit(setup, first=r == 0)))
+                except Exception as e:
+                    self.errors[setup] = (f"{type(e).__name__}: {str(e).strip().splitlines()[0][:150]}" if str(e).strip()
+                                          else type(e).__name__)
+                    self.learners.pop(setup, None)
+                    _free(self.dev, compiled=False)   # the group's compiled setups keep their code
+                got = self.runs[setup][-1][1] if setup not in self.errors else self.errors[setup]
+                log(f"{' '.join(map(str, self.key))} {setup} round {r}: {got if isinstance(got, str) else f'{got:.0f} img/s'}"
+                    f"  ({time.perf_counter() - t:.1f} s)")
+        self.learners.clear()
+        return _free(self.dev)
+
+    def results(self) -> dict:
+        "Per setup: img/s (median over rounds), ratios to 'stock-cl' and 'fastai' (medians of per-round ratios), memory, notes"
+        med = lambda xs: statistics.median(xs) if xs else None
+        out = {}
+        for s in self.setups:
+            if s in self.errors: out[s] = dict(error=self.errors[s]); continue
+            if not self.runs[s]: continue
+            mine = dict(self.runs[s])
+            ratio = {b: med([v / dict(self.runs[b])[r] for r, v in mine.items() if r in dict(self.runs.get(b, []))])
+                     for b in ('stock-cl', 'fastai')}
+            out[s] = dict(img_s=med(list(mine.values())), ratio=ratio, rounds=len(mine), first_s=self.first_s[s],
+                          peak_gib=self.peak.get(s, float('nan')), note='; '.join(self.notes[s]))
+        return out
+
+def _free(dev, compiled:bool=True) -> float:
+    "Everything a group left behind freed (a Learner's reference cycles, compiled code's hold on its model); GiB still allocated"
+    gc.collect()
+    if compiled: torch._dynamo.reset()
+    if dev.type != 'cuda': return 0.
+    torch.cuda.synchronize(); torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated() / 2**30
+
+def table(groups, results) -> str:
     head = ("| model | batch | dtype | setup | img/s | vs stock channels-last | vs fastai to_channelslast() | peak GiB | "
             "first steps s | note |\n|---|---|---|---|---|---|---|---|---|---|")
     out = [head]
     order = {s: i for i, s in enumerate(SETUPS)}
-    for r in sorted(rows, key=lambda r: (r[0], -r[1], r[2], order[r[3]])):
-        m, bs, dt, s = r
-        got = results.get(r)
-        if got is None: out.append(f"| {m} | {bs} | {dt} | {SETUPS[s][1]} | not run (budget) | | | | | |"); continue
-        if 'error' in got: out.append(f"| {m} | {bs} | {dt} | {SETUPS[s][1]} | failed | | | | | {got['error']} |"); continue
-        ratio = lambda base: (f"{got['img_s'] / results[(m, bs, dt, base)]['img_s']:.2f}"
-                              if 'img_s' in results.get((m, bs, dt, base), {}) else '')
-        out.append(f"| {m} | {bs} | {dt} | {SETUPS[s][1]} | {got['img_s']:.0f} | {ratio('stock-cl')} | {ratio('fastai')} | "
-                   f"{got['peak_gib']:.2f} | {got['first_s']:.1f} | {got['note']} |")
+    for i, (m, bs, dt, setups) in sorted(enumerate(groups), key=lambda ig: (ig[1][0], -ig[1][1], ig[1][2], ig[0])):
+        got_group = results.get(i)
+        again = any(h[:3] == (m, bs, dt) for h in groups[:i])   # measured again beside the compiled setups
+        for s in sorted(setups, key=order.get):
+            got = None if got_group is None else got_group.get(s)
+            name = SETUPS[s][1] + (' (again, beside compile)' if again and 'compile' not in s else '')
+            if got is None: out.append(f"| {m} | {bs} | {dt} | {name} | not run (budget) | | | | | |"); continue
+            if 'error' in got: out.append(f"| {m} | {bs} | {dt} | {name} | failed | | | | | {got['error']} |"); continue
+            ratio = lambda b: '' if got['ratio'][b] is None else f"{got['ratio'][b]:.2f}"
+            out.append(f"| {m} | {bs} | {dt} | {name} | {got['img_s']:.0f} | {ratio('stock-cl')} | {ratio('fastai')} | "
+                       f"{got['peak_gib']:.2f} | {got['first_s']:.1f} | {got['note']} |")
     return '\n'.join(out)
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--models', nargs='+', default=['resnet50', 'efficientnet_b0'])
     p.add_argument('--bs', nargs='+', type=int, default=[256, 64])
     p.add_argument('--dtypes', nargs='+', default=['bfloat16', 'float16'], choices=['bfloat16', 'float16'])
     p.add_argument('--setups', nargs='+', choices=list(SETUPS), help="only these setups (default: all, in priority order)")
     p.add_argument('--px', type=int, default=224)
-    p.add_argument('--warm', type=int, default=8, help="first steps, not timed: CUDA graphs capture after 3, replay from the 5th")
-    p.add_argument('--steps', type=int, default=20, help="timed steps")
-    p.add_argument('--budget', type=float, default=420, help="seconds; rows that would start later are not run")
+    p.add_argument('--warm', type=int, default=6, help="first steps of each fit, not timed: CUDA graphs capture after 3, replay from the 5th")
+    p.add_argument('--steps', type=int, default=12, help="timed steps of each fit")
+    p.add_argument('--rounds', type=int, default=3, help="fits of each setup, in an order rotated each round")
+    p.add_argument('--budget', type=float, default=420, help="seconds; groups that would start later are not run")
     p.add_argument('--device', default='cuda')
     args = p.parse_args(argv)
     dev = torch.device(args.device)
@@ -144,26 +211,28 @@ def main(argv=None):
         if not torch.cuda.is_available(): sys.exit("bench_gpu_fit: no CUDA GPU here (use --device cpu for a dry run)")
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}, "
               f"cudnn.benchmark={torch.backends.cudnn.benchmark}")
-    rows = [r for r in plan(args.models, args.bs, args.dtypes) if not args.setups or r[3] in args.setups]
+    groups = [(m, bs, dt, [s for s in setups if not args.setups or s in args.setups])
+              for m, bs, dt, setups in plan(args.models, args.bs, args.dtypes)]
+    groups = [g for i, g in enumerate(groups)   # none whose setups an earlier group of its model, batch and dtype measures
+              if g[3] and not any(h[:3] == g[:3] and set(g[3]) <= set(h[3]) for h in groups[:i])]
     start, results, bases = time.perf_counter(), {}, {}
     def report(*_):
-        print(f"\n## fastai Learner.fit, {args.px} px, {args.steps} timed steps after {args.warm} "
-              f"({time.perf_counter() - start:.0f} s in all)\n")
-        print(table(rows, results, args.dtypes), flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: (report(), sys.exit(124)))   # stopped by `timeout`: the table still
-    for r in rows:
-        left = args.budget - (time.perf_counter() - start)
-        if left < (90 if 'compile' in r[3] else 10): continue   # a compile takes about a minute; other rows seconds
-        t = time.perf_counter()
-        try: results[r] = run_row(*r, args, bases)
-        except Exception as e:
-            results[r] = dict(error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:150]}" if str(e).strip()
-                              else type(e).__name__)
-        if dev.type == 'cuda': torch.cuda.empty_cache()
-        got = results[r]
-        print(f"{r[0]} bs {r[1]} {r[2]} {r[3]}: " + (f"{got['img_s']:.0f} img/s, first steps {got['first_s']:.1f} s, "
-              f"peak {got['peak_gib']:.2f} GiB {got['note']}" if 'img_s' in got else got['error'])
-              + f"  ({time.perf_counter() - t:.0f} s)", flush=True)
+        print(f"\n## fastai Learner.fit, {args.px} px, {args.steps} timed steps after {args.warm}, median of {args.rounds} "
+              f"rounds ({time.perf_counter() - start:.0f} s in all)\n")
+        print(table(groups, results), flush=True)
+    def interrupt(*_): raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupt)   # stopped by `timeout` (SIGINT or SIGTERM): the table of what ran, still
+    stopped = False
+    try:
+        for i, (m, bs, dt, setups) in enumerate(groups):
+            left = args.budget - (time.perf_counter() - start)
+            if left < 20 + 60 * sum('compile' in s for s in setups): continue   # a compile takes about a minute; a group less
+            group = Group(m, bs, dt, setups, args, bases)
+            try: left_gib = group.run(lambda line: print(line, flush=True))
+            finally: results[i] = group.results()
+            print(f"{m} {bs} {dt}: {left_gib:.2f} GiB still allocated after the group", flush=True)
+    except KeyboardInterrupt: stopped = True
     report()
+    if stopped: sys.exit(124)
 
 if __name__ == '__main__': main()

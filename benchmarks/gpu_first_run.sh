@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# The one GPU script (BENCHMARKS.md, "The first GPU run"), inside one device call of 10 minutes: the CUDA tests (the
-# Triton kernels and CUDA graphs against fp64, the offline compile report against the GPU's own JIT), then training
-# through fastai's own `Learner.fit` (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64,
-# bf16 and fp16, every setup issue 34 names; the table last), then, if time is left, the kernel benchmarks.
+# The one GPU script (BENCHMARKS.md, "The first GPU run"), inside one device call of 10 minutes: the C++ library build
+# (the fused op's autograd node uses it on CUDA too; a user's first fused step builds it the same way), the CUDA tests
+# (the Triton kernels and CUDA graphs against fp64, the offline compile report against the GPU's own JIT; each failure's
+# traceback kept), then training through fastai's own `Learner.fit` (benchmarks/bench_gpu_fit.py: resnet50 and
+# efficientnet_b0, batch 256 and 64, bf16 and fp16, every setup issue 34 names, in rounds; the table last), then, if
+# time is left, the kernel benchmarks.
 #
-#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: tests fit kernels (default: all three, in that order)
+#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build tests fit kernels (default: all four, in that order)
 #
-# BUDGET (seconds, 540) bounds the whole run; TESTS_S (200) the tests. fastai travels as wheels in .whl/
-# (tools/gpu_wheels.sh), installed here into /tmp/site when fastai is missing. The C++ CPU library (which the fused
-# op's autograd node uses on CUDA too, where it is built) builds in the background meanwhile. Each step is logged in
-# OUT/ whatever the one before did; the exit status is the number of failed steps.
+# BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests. fastai travels as wheels in .whl/
+# (tools/gpu_wheels.sh), installed here into /tmp/site when fastai is missing. Each step is logged in OUT/ whatever the
+# one before did; the exit status is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${1:-gpu_first_run}; shift || true
-STEPS=${*:-tests fit kernels}
-BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-200}
+STEPS=${*:-build tests fit kernels}
+BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ! "$PY" -c 'import fastai' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
@@ -27,7 +28,8 @@ left() { echo $((BUDGET - SECONDS)); }
 step() {   # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   echo "== $name (at most ${limit}s): $*"
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+  # SIGINT first: pytest then prints its summary (failures, tracebacks) and the fit its table; killed 20 s later
+  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after ${SECONDS}s in all"
   [ "$rc" = 0 ] || failed=$((failed + 1))
@@ -35,16 +37,14 @@ step() {   # step NAME SECONDS COMMAND...
 step env 60 "$PY" -c "import torch, triton, fastai; print('torch', torch.__version__, 'triton', triton.__version__, \
 'fastai', fastai.__version__); print(torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability(), \
 torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
-"$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))" >"$OUT/build.txt" 2>&1 &
 for s in $STEPS; do
   case $s in
-    tests) step cuda-tests "$(( $(left) < TESTS_S ? $(left) : TESTS_S ))" "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/ ;;
+    build) step build 150 "$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))" ;;
+    tests) step cuda-tests "$(( $(left) < TESTS_S ? $(left) : TESTS_S ))" "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short --durations=8 -m cuda tests/ ;;
     fit) step fit "$(left)" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 30 ))" ;;
     kernels) [ "$(left)" -gt 60 ] && step kernels "$(( $(left) - 5 ))" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
-    *) echo "unknown step $s (tests, fit, kernels)"; failed=$((failed + 1)) ;;
+    *) echo "unknown step $s (build, tests, fit, kernels)"; failed=$((failed + 1)) ;;
   esac
 done
-wait
-echo "== build: $(tail -1 "$OUT/build.txt")"
 echo "== $failed step(s) failed in ${SECONDS}s; logs in $OUT/"
 exit "$failed"

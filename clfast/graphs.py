@@ -4,7 +4,7 @@
 
 # %% ../nbs/29_graphs.ipynb #dd34a3ea
 from __future__ import annotations
-import warnings
+import gc, warnings
 import torch
 from torch import nn, Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -59,6 +59,10 @@ class _Graph:
         def grads(outs, grad_outs):
             return torch.autograd.grad(outs, [t for t in surface if t.requires_grad], grad_outs, allow_unused=True)
         stream = torch.cuda.Stream()
+        # a capture registers the device's default generator and puts it in capture mode; one that fails never takes
+        # it out, and every later random op in the process (dropout, eager) would raise: a copy of its state comes back
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        rng, collecting = generator.clone_state(), gc.isenabled()
         try:
             torch.cuda.synchronize()
             with torch.cuda.stream(stream):
@@ -66,6 +70,7 @@ class _Graph:
                     outs = self._differentiable(run())
                     if outs: grads(outs, [torch.zeros_like(o) for o in outs])
             torch.cuda.synchronize()
+            gc.collect(); gc.disable()   # no finalizer of unrelated garbage runs its CUDA calls inside a capture
             self.fwd, self.bwd, pool = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
             # 'thread_local': fastai's pin-memory thread may allocate pinned memory meanwhile, which is not captured
             with torch.cuda.graph(self.fwd, pool=pool, stream=stream, capture_error_mode='thread_local'):
@@ -80,7 +85,11 @@ class _Graph:
                     got = grads(diff, self.grad_outputs)
             got = iter(got)
             self.grads = tuple(next(got) if w else None for w in self.wants)
+        except BaseException:
+            generator.graphsafe_set_state(rng)
+            raise
         finally:
+            if collecting: gc.enable()
             with torch.no_grad():
                 for b, s in zip(buffers, saved): b.copy_(s)   # the warm-up's BN updates undone: each batch counts once
             torch.cuda.synchronize()
@@ -117,6 +126,14 @@ class _Replay(torch.autograd.Function):
         return (None, *res)
 
 # %% ../nbs/29_graphs.ipynb #833a0440
+def _first_error(e:BaseException) -> str:
+    "What failed first: an op that raised inside a capture, not the 'failed due to a previous error' of the capture's end"
+    seen = {id(e)}   # followed back only from errors of the capture itself: an earlier, handled error is not the cause
+    while 'captur' in str(e) and e.__context__ is not None and id(e.__context__) not in seen:
+        e = e.__context__; seen.add(id(e))
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0][:200]}" if msg else type(e).__name__
+
 def _signature(args:tuple) -> tuple|None:
     "What a graph is captured for: each input's shape, strides, dtype and device, and the autocast state; None if not all CUDA tensors"
     if not args or not all(isinstance(a, Tensor) and a.is_cuda for a in args): return None
@@ -143,7 +160,7 @@ class GraphedForward:
             if n <= self.warm or len(self.graphs) >= self.max_graphs: return self.forward(*args)
             try: graph = self.graphs[key] = _Graph(self.model, self.forward, args)
             except Exception as e:
-                self.stop(f"its step could not be captured ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]})")
+                self.stop(f"its step could not be captured ({_first_error(e)})")
                 return self.forward(*args)
         return graph.replay(args)
 
@@ -161,7 +178,7 @@ class CudaGraphs(Callback):
         max_graphs:int=1, # Batch shapes captured per fit; others train eagerly
     ):
         store_attr()
-        self.said = set()
+        self.said, self.last_captured = set(), 0   # last_captured: the batch shapes the last fit replayed
 
     def _say(self, why:str):
         if why in self.said: return
@@ -170,6 +187,7 @@ class CudaGraphs(Callback):
 
     def before_fit(self):
         self._remove()
+        self.last_captured = 0
         dev = next(self.model.parameters(), torch.empty(0)).device
         if dev.type != 'cuda': return self._say(f"CUDA graphs need a model on a CUDA GPU, and this one is on {dev}")
         self.graphed = GraphedForward(self.model, self.warm, self.max_graphs, self._say)
@@ -182,10 +200,12 @@ class CudaGraphs(Callback):
     def _remove(self):
         "The model's own forward back, the graphs' memory freed"
         graphed = self.__dict__.pop('graphed', None)
-        if graphed is not None and graphed.model.__dict__.get('forward') is graphed: del graphed.model.forward
+        if graphed is None: return
+        self.last_captured = len(graphed.graphs)
+        if graphed.model.__dict__.get('forward') is graphed: del graphed.model.forward
 
     @property
     def captured(self) -> int:
-        "How many batch shapes this fit replays from graphs"
+        "How many batch shapes this fit replays from graphs (after a fit: the last fit's)"
         graphed = self.__dict__.get('graphed')
-        return 0 if graphed is None else len(graphed.graphs)
+        return self.last_captured if graphed is None else len(graphed.graphs)

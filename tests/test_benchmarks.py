@@ -5,7 +5,7 @@ from pathlib import Path
 
 def test_bench_gpu_fit_dry_run(capsys):
     bench = runpy.run_path(str(Path(__file__).parents[1] / 'benchmarks' / 'bench_gpu_fit.py'))
-    bench['main'](['--device', 'cpu', '--models', 'resnet18', '--bs', '2', '--px', '32', '--steps', '1', '--warm', '5',
+    bench['main'](['--device', 'cpu', '--models', 'resnet18', '--bs', '2', '--px', '32', '--steps', '1', '--warm', '5', '--rounds', '2',
                    '--dtypes', 'bfloat16', '--setups', 'stock-cl', 'fastai', 'speed', 'graphs'])
     out = capsys.readouterr().out
     table = out[out.index('| model |'):].strip().splitlines()[2:]

@@ -113,6 +113,19 @@ def test_compile_fused_model_in_place_trains():
     learn.to_channelslast(use_amp=False, fuse='speed', compile=False)
     assert not is_compiled(model)
 
+def test_first_error_names_what_failed_inside_a_capture():
+    "A capture's end reports 'a previous error'; the message names the op that failed first, not an unrelated earlier one"
+    from clfast.graphs import _first_error
+    def capture():
+        try: raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        finally: raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    with pytest.raises(RuntimeError) as e: capture()
+    assert _first_error(e.value) == "RuntimeError: CUDA error: operation not permitted when stream is capturing"
+    try:
+        try: {}['x']
+        except KeyError: raise TypeError("the model returns something other than tensors")
+    except TypeError as e2: assert _first_error(e2) == "TypeError: the model returns something other than tensors"
+
 # ---- on a CUDA GPU ----
 
 def _cuda_learner(n=160, bs=16, **kw):
@@ -196,3 +209,24 @@ def test_finder_measures_graphed_setups():
     for s in graphed:
         row = df.loc[s.name]
         assert row.error == '' and row.steps == 4 and row.first_step_s > 0
+
+class _ReadsOnHost(nn.Module):
+    "A forward that reads a value on the host: fine eagerly, impossible inside a capture"
+    def forward(self, x): return x * 0 if x.isnan().any().item() else x
+
+@pytest.mark.cuda
+def test_failed_capture_trains_eagerly_and_keeps_the_generator():
+    """A step that cannot be captured (a host read in forward, found only by trying) says why once, naming the op that
+    failed, and trains eagerly; the CUDA generator, which a failed capture leaves in capture mode, still draws (dropout)"""
+    learn = _cuda_learner()
+    learn.model = nn.Sequential(_ReadsOnHost(), nn.Dropout(0.1), *learn.model).cuda()
+    learn.to_channelslast(amp_mode='bf16', graphs=True)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        _fit(learn, epochs=2)
+    said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+    assert len(said) == 1 and said[0].startswith("CudaGraphs: its step could not be captured (") and 'previous error' not in said[0]
+    assert learn.cuda_graphs.captured == 0 and len(learn.recorder.losses) == 16
+    assert all(math.isfinite(l) for l in learn.recorder.losses)
+    assert learn.model[2][1].num_batches_tracked.item() == 16    # each batch counted once, the failed capture's none
+    assert torch.rand(4, device='cuda').isfinite().all()

@@ -42,6 +42,12 @@ def _tensors_at(model:nn.Module) -> tuple:
     "Where `model`'s parameters and buffers are, and which parameters train: what a captured graph depends on"
     return (tuple((p.data_ptr(), p.requires_grad) for p in model.parameters()), tuple(b.data_ptr() for b in model.buffers()))
 
+_streams = {}   # one side stream per device for every capture: cuBLAS keeps a workspace per stream, for good
+
+def _capture_stream(device:torch.device) -> torch.cuda.Stream:
+    if device not in _streams: _streams[device] = torch.cuda.Stream(device)
+    return _streams[device]
+
 class _Graph:
     "The forward and backward of `forward(*args)` over `model`'s trainable parameters, captured for `args`' signature"
     def __init__(self, model:nn.Module, forward, args:tuple):
@@ -58,7 +64,7 @@ class _Graph:
                 return forward(*self.inputs)
         def grads(outs, grad_outs):
             return torch.autograd.grad(outs, [t for t in surface if t.requires_grad], grad_outs, allow_unused=True)
-        stream = torch.cuda.Stream()
+        stream = _capture_stream(args[0].device)
         # a capture registers the device's default generator and puts it in capture mode; one that fails never takes
         # it out, and every later random op in the process (dropout, eager) would raise: a copy of its state comes back
         generator = torch.cuda.default_generators[torch.cuda.current_device()]
@@ -115,7 +121,7 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
-        graph = ctx.graph
+        graph, ctx.graph = ctx.graph, None   # fastai keeps the last step's pred and loss: they hold no graph memory
         diff = iter(grads[i] for i, o in enumerate(graph.outputs) if o.requires_grad)
         for static, g in zip(graph.grad_outputs, diff): static.copy_(g)
         graph.bwd.replay()

@@ -12,7 +12,7 @@ from .ops import fused_conv_bn, kernels_ready, kernels_served, autocast_cast, au
 from .reference import ConvGeometry
 from .guard import GuardPlan, route, call_plan, guarded_conv, IMPRECISE_CL_BATCH_NORM
 from .timing import Timing, time_pair, decide, timings
-from .stock import AsStock
+from .stock import AsStock, rebuilt
 from .bn import is_sync_bn, sync_group, bn_args, stock_class, _qual, _BN_ACT, _SYNC_BN_ACT
 
 # %% auto #0
@@ -180,7 +180,9 @@ class FusedConvBN2d(_FusedMixin, nn.Conv2d):
     @classmethod
     def from_modules(cls, conv:nn.Conv2d, bn:nn.BatchNorm2d, relu:bool|None=None, mode:str='speed',
                      act:str|nn.Module|None=None, act_param:float=0.) -> FusedConvBN2d:
-        "Turn `conv` into a `FusedConvBN2d` in place, fusing `bn` (which stays where it is registered, as a pass-through)"
+        """A `FusedConvBN2d` over `conv`'s parameters that does `bn`'s work too, with `fused_bn` a pass-through over `bn`'s
+        state: put both where `conv` and `bn` are registered (`clfast.stock.replace_modules(model, {conv: f, bn:
+        f.fused_bn})`, as `fuse_conv_bn` does); `conv` and `bn` are left as they were, sharing their parameters"""
         if type(conv) is not cls._stock_class:  # a Conv2d subclass may compute something else (timm's Conv2dSame pads)
             raise TypeError(f"{cls.__name__} can only fuse a {cls._stock_class.__name__}, got {type(conv).__name__}")
         if (why := fusable_bn(bn)) is not None: raise TypeError(why)
@@ -192,11 +194,11 @@ class FusedConvBN2d(_FusedMixin, nn.Conv2d):
         if own[0] != 'none':
             if name != 'none': raise ValueError(f"{type(bn).__name__} applies {own[0]} itself: give no other activation")
             name, p = own
-        conv.__class__ = cls
-        conv.__dict__.update(_fused_bn=bn, act=name, act_param=p, mode=check_mode(mode), surgical=True)
+        fused = rebuilt(conv, cls)
+        fused.__dict__.update(_fused_bn=rebuilt(bn, pass_through(stock_class(bn))), act=name, act_param=p,
+                              mode=check_mode(mode), surgical=True)
         kernels_ready()   # now, not in a traced forward
-        bn.__class__ = pass_through(stock_class(bn))
-        return conv
+        return fused
 
     @property
     def fused_bn(self) -> nn.BatchNorm2d: return self.__dict__['_fused_bn'] if self.surgical else self.bn

@@ -160,13 +160,15 @@ def test_unfused_bn_on_cpu_is_synchronized_by_clfast(one_rank_gloo, monkeypatch)
     assert m[0].process_group is None and not isinstance(m[0], nn.SyncBatchNorm)
 
 def test_standalone_fused_module_converts(one_rank_gloo):
-    "A FusedConvBN2d built directly runs its child `bn`: converted in place, it synchronizes and unfolds to SyncBatchNorm"
+    """A FusedConvBN2d built directly runs its child `bn`: converted (as PyTorch converts: a new BN over the same
+    parameters and buffers put in its place), it synchronizes and unfolds to SyncBatchNorm"""
     from clfast.fused import FusedConvBN2d, is_sync_bn
     from clfast.fuse import convert_sync_batchnorm
     f = FusedConvBN2d(3, 4, 3, padding=1)
     bn = f.bn
     g = convert_sync_batchnorm(f)
-    assert g is f and f.bn is bn and is_sync_bn(f.bn) and not isinstance(f.bn, nn.SyncBatchNorm)
+    assert g is f and f.bn is not bn and is_sync_bn(f.bn) and not isinstance(f.bn, nn.SyncBatchNorm)
+    assert f.bn.weight is bn.weight and f.bn.running_mean is bn.running_mean
     assert [type(m) for m in f.to_stock()][:2] == [nn.Conv2d, nn.SyncBatchNorm]
     DDP(f)   # DDP refuses real SyncBatchNorm modules on the CPU; the pass-through is a BatchNorm2d
 

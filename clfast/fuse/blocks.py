@@ -10,6 +10,7 @@ from typing import Callable
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
 from ..bn import stock_class, _qual
+from ..stock import rebuilt
 from ..act import act_of
 from ..fused import FusedConvBN2d, _FusedMixin, check_mode, conv_bn_act, conv_geometry, pass_through
 
@@ -90,16 +91,16 @@ def _conv_why_not(conv) -> str|None:
 def _own_act(bn): return act_of(getattr(bn, 'act', None))   # timm's BatchNormAct2d carries its activation
 
 def _fuse_pair(conv, bn, mode, act='none', act_param=0.):
-    "Fuse `conv` → `bn` (→ act) in place (checked by the caller): the conv's class becomes fused, the BN a pass-through"
+    "The fused module for `conv` → `bn` (→ act) (checked by the caller), its BN's pass-through in `_fused_bn`: the caller places both"
     kind = _conv_kind(conv)
     if kind != 'mixed':
         return (FusedConvBN2d if kind == 'conv' else _same_class(type(conv))).from_modules(conv, bn, mode=mode, act=act, act_param=act_param)
     own = _own_act(bn)
     if own[0] != 'none': act, act_param = own
-    conv.__class__ = _mixed_class(type(conv))
-    conv.__dict__.update(_fused_bn=bn, act=act, act_param=float(act_param), mode=check_mode(mode), surgical=True)
-    bn.__class__ = pass_through(stock_class(bn))
-    return conv
+    fused = rebuilt(conv, _mixed_class(type(conv)))
+    fused.__dict__.update(_fused_bn=rebuilt(bn, pass_through(stock_class(bn))), act=act, act_param=float(act_param),
+                          mode=check_mode(mode), surgical=True)
+    return fused
 
 # %% ../../nbs/24b_fuse_blocks.ipynb #aace8db0
 class _FusedBlock(_FusedMixin):

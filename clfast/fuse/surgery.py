@@ -9,7 +9,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from ..bn import make_precise, cpu_sync_capable
-from ..stock import replace_modules
+from ..stock import rebuilt, replace_modules
 from ..act import act_of
 from ..fused import FusedConvBN2d, _FusedMixin, check_mode, fusable_bn, pass_through
 from .report import FusionReport, _reports
@@ -42,14 +42,27 @@ class _Fuser:
         self.names = {}  # id -> qualified name (first), and how many places each module is registered at
         self.shared = Counter()
         self.bn_reason, self.untraced, self.by_conv = {}, {}, set()   # id(BN) -> why it was not fused; module name -> why it did not trace
+        self.where, self.replaced = {}, {}   # id -> (parent, name) it is registered at; id -> a module replaced (kept: its id stays its own)
         for n,m in root.named_modules(remove_duplicate=False):
             self.names.setdefault(id(m), n); self.shared[id(m)] += 1
+            for name, child in m._modules.items():
+                if child is not None: self.where.setdefault(id(child), (m, name))
+
+    def place(self, old, new):
+        """Put `new` where `old` is registered (shared modules are never fused: one place); the root, which its caller
+        holds, changes class in place (`replace_modules`)"""
+        self.replaced[id(old)] = old
+        if old is self.root: return replace_modules(old, {old: new})
+        parent, name = self.where[id(old)]
+        parent._modules[name] = new   # a parent replaced since shares its `_modules` with its replacement
+        return new
 
     def name(self, m): return self.names.get(id(m), '?')
 
     def why_not(self, conv, bn, calls=1):
         "None if `conv` → `bn` can be fused, else why not"
-        if isinstance(conv, _FusedMixin) or isinstance(bn, _FusedMixin): return "conv or BN is already fused with another module"
+        if any(isinstance(m, _FusedMixin) or id(m) in self.replaced for m in (conv, bn)):
+            return "conv or BN is already fused with another module"
         if (r := _conv_why_not(conv)) is not None: return r
         if (r := fusable_bn(bn)) is not None: return r
         if bn.num_features != conv.out_channels: return "BN features differ from the conv's output channels"
@@ -72,9 +85,10 @@ class _Fuser:
         if reason: self.skip(conv, bn, reason); return False
         name, p = act_of(act_mod) if act_mod is not None else (act or ('none', 0.))
         kind = _conv_kind(conv)
-        _fuse_pair(conv, bn, self.mode, name, p)
-        if act_mod is not None and name != 'none': act_mod.__class__ = pass_through(type(act_mod))
-        a = conv.act
+        fused = self.place(conv, _fuse_pair(conv, bn, self.mode, name, p))
+        self.place(bn, fused._fused_bn)
+        if act_mod is not None and name != 'none': self.place(act_mod, rebuilt(act_mod, pass_through(type(act_mod))))
+        a = fused.act
         pattern = 'conv-bn' + ('-add' if add else '') + ('' if a == 'none' else f'-{a}')
         self.report.fused.append((self.name(conv), pattern if kind != 'mixed' else f'mixed {pattern}'))
         return True
@@ -97,9 +111,9 @@ class _Fuser:
             self.report.skipped.append((self.name(b), f"block not fused as a whole: {reasons[0]}"))
             return self.visit(b, as_root=True)
         for i,(c,n,a) in enumerate(plan): self.fuse(c, n, act=a, add=i == len(plan)-1)
-        b.__class__ = _fused_block_class(b)
-        self.report.fused.append((self.name(b), f"{type(b)._stock_class.__name__} with the shortcut add fused"))
-        for c in b.children():
+        fused = self.place(b, rebuilt(b, _fused_block_class(b)))
+        self.report.fused.append((self.name(b), f"{type(fused)._stock_class.__name__} with the shortcut add fused"))
+        for c in fused.children():
             if not isinstance(c, _FusedMixin): self.visit(c)
 
     def is_block(self, m):
@@ -150,7 +164,7 @@ class _Fuser:
             else: self.fuse(conv, bn, calls=calls_)   # records the reason
         for node in graph.nodes:   # the BNs no conv fused with: say what feeds them
             bn = mod(node)
-            if not isinstance(bn, _BatchNorm) or isinstance(bn, _FusedMixin) or id(bn) in self.bn_reason: continue
+            if not isinstance(bn, _BatchNorm) or id(bn) in self.replaced or id(bn) in self.bn_reason: continue
             self.bn_reason[id(bn)] = f"BN's input is {_describe(node.args[0] if node.args else None, mod)}, not a conv"
 
 

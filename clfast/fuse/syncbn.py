@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from ..bn import make_precise, cpu_sync_capable, _sync_of, _qual
 from ..fused import FusedConvBN2d, _FusedMixin, _BN_ACT, pass_through
+from ..stock import rebuilt
 from .report import _reports
 
 # %% auto #0
@@ -18,10 +19,11 @@ __all__ = ['convert_sync_batchnorm']
 # %% ../../nbs/24c_fuse_syncbn.ipynb #52fa5dcf
 _stock_convert_sync = getattr(nn.SyncBatchNorm, '_clfast_stock_convert', nn.SyncBatchNorm.convert_sync_batchnorm.__func__)
 
-def _sync_in_place(bn:nn.Module, process_group):
-    "Synchronize `bn`, a BN a fused conv does the work of, in place: its pass-through class now unfuses to a SyncBatchNorm"
-    bn.__class__ = pass_through(_sync_of(getattr(bn, '_stock_class', type(bn))))
-    bn.process_group = process_group
+def _synced(bn:nn.Module, process_group) -> nn.Module:
+    "`bn`, a BN a fused conv does the work of, synchronized: a pass-through over its state that unfuses to a SyncBatchNorm"
+    new = rebuilt(bn, pass_through(_sync_of(getattr(bn, '_stock_class', type(bn)))))
+    new.process_group = process_group
+    return new
 
 def _on_cpu(m:nn.Module) -> bool: return any(t.device.type == 'cpu' for t in [*m.parameters(), *m.buffers()][:1])
 
@@ -46,31 +48,36 @@ def _refuse_cpu_sync(module:nn.Module, names:list[str], done:str):
         f"BatchNormAct2d with a fusable activation) where its C++ kernels load; these are neither: {listed}. Train "
         f"without synchronized BN (learn.distrib_ctx(sync_bn=False), or no convert_sync_batchnorm), or on CUDA (NCCL).")
 
-def _convert(cls, module:nn.Module, process_group=None) -> nn.Module:
+def _convert(cls, module:nn.Module, process_group=None, synced:dict|None=None) -> nn.Module:
+    "`module` with its BNs synchronized: new modules where they change; `synced` maps the fused convs' BNs to theirs"
     if cpu_sync_capable(module) and _on_cpu(module) and _gloo(process_group):   # PyTorch's SyncBatchNorm has no CPU kernel
         return make_precise(module, sync=True, process_group=process_group)
     if isinstance(module, _BatchNorm) and isinstance(module, _FusedMixin):
-        _sync_in_place(module, process_group)
-        return module
+        synced[module] = _synced(module, process_group)
+        return synced[module]
     if isinstance(module, FusedConvBN2d) and not module.surgical:   # a standalone fused module runs its child `bn`
-        _sync_in_place(module.bn, process_group)
+        module.add_module('bn', _synced(module.bn, process_group))
         return module
     if _qual(type(module)) == _BN_ACT:   # timm's converter keeps the activation (PyTorch's would drop it)
         timm_norm_act = sys.modules['timm.layers.norm_act']
         return getattr(timm_norm_act, '_clfast_stock_convert', timm_norm_act.convert_sync_batchnorm)(module, process_group)
     if isinstance(module, _BatchNorm): return _stock_convert_sync(cls, module, process_group)   # a BN: PyTorch's way
     # the children by this converter, not by PyTorch's recursion (which calls whatever is installed as the classmethod)
-    for name, child in module.named_children(): module.add_module(name, _convert(cls, child, process_group))
+    for name, child in module.named_children(): module.add_module(name, _convert(cls, child, process_group, synced))
     return module
 
 def convert_sync_batchnorm(module:nn.Module, process_group=None, cls:type=nn.SyncBatchNorm) -> nn.Module:
     """`nn.SyncBatchNorm.convert_sync_batchnorm` for fused models (installed in its place once a model is fused): a BN
-    a fused conv does the work of is synchronized in place; other BNs convert as stock (timm's `BatchNormAct2d` to
+    a fused conv does the work of becomes a synchronized pass-through over its state; other BNs convert as stock (timm's `BatchNormAct2d` to
     timm's `SyncBatchNormAct`, keeping its activation). Refuses, before changing anything, BNs that would need
     PyTorch's SyncBatchNorm on the CPU in a fused model (a model not fused yet is checked by `fuse_conv_bn`)."""
     if refused := _cpu_sync_refusals(module, process_group):
         _refuse_cpu_sync(module, refused, 'would become')
-    return _convert(cls, module, process_group)
+    synced = {}
+    module = _convert(cls, module, process_group, synced)
+    for m in module.modules():   # each surgically fused conv runs the synchronized BN put where its BN was
+        if m.__dict__.get('_fused_bn') in synced: m.__dict__['_fused_bn'] = synced[m.__dict__['_fused_bn']]
+    return module
 
 def _install_sync_converter():
     """Put `convert_sync_batchnorm` in the place of PyTorch's (and of timm's, when timm is loaded); idempotent. Called

@@ -328,7 +328,8 @@ def section_pointwise(args):
                       f"{t['matmul_train']*1e6:6.1f} us, {paired_ratios(raw, 'conv_train', 'matmul_train')}", flush=True)
     # whole models as `to_channelslast()` prepares them (`guard_model`), the guard's product route on and off
     from clfast import guard
-    from clfast.guard import guard_model, SLOW_POINTWISE_MAPS
+    from clfast.guard import guard_model
+    from clfast.routes import SLOW_POINTWISE_MAPS
     print(f"\n## to_channelslast training step (batch {args.bs}, {args.px} px), squeeze-excite convs as the conv / as "
           f"products (premise {SLOW_POINTWISE_MAPS.name} {'held' if SLOW_POINTWISE_MAPS.present() else 'did not hold'} here)")
     def set_route(on:bool) -> bool:   # a `with_setting` switch: the premise as read per call, forced

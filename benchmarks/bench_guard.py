@@ -6,7 +6,7 @@
 2. timm resnet50 training steps (no conv reaches a known-bad kernel; the 3x3 convs become `GuardedConv2d`s that check
    their input's height per call, and at 224 px never route): timed with and without `guard_model`, alternating.
 3. `check_channelslast` on resnet50 at 224 px: first time (fresh cache directory) and cached.
-4. The short-input route (`clfast.guard.SHORT_INPUT_WGRAD`): one 3x3 conv on 2x2 inputs per width, stock against
+4. The short-input route (`clfast.routes.SHORT_INPUT_WGRAD`): one 3x3 conv on 2x2 inputs per width, stock against
    routed, and a plan-less GuardedConv2d's cost per call; then torchvision resnet18 training steps at 64 px, batch 32
    (layer4's 3x3 convs see 2x2 inputs), Adam: contiguous, channels-last stock, and channels-last after `guard_model`;
    speedups are medians of the per-round paired ratios.
@@ -19,7 +19,7 @@ from torch import nn
 
 def stem_step(how, x0, w):
     "One forward + backward of the affected stem, guarded with `how` ('subsample', 'contiguous') or stock (None)"
-    from clfast.guard import GuardPlan, route
+    from clfast.bad_kernels import GuardPlan, route
     x = x0.detach().requires_grad_()
     r = route(None if how is None else GuardPlan(how, True, 'bench'), x, w, (2, 2))
     y = r.restore(F.conv2d(r.x, r.weight, None, r.stride))
@@ -106,7 +106,8 @@ def bench_short_convs(rounds):
     "One 3x3 conv on a 32x2x2 channels-last input, forward + backward: stock against routed, per width (the figures "
     "behind SHORT_INPUT_MIN_WEIGHT); then what a GuardedConv2d without a plan adds to a call on a tall input"
     import copy
-    from clfast.guard import guard_model, short_input_plan
+    from clfast.guard import guard_model
+    from clfast.routes import short_input_plan
     cl = torch.channels_last
     print(f"\nshort-input route per conv: 3x3, 32xCx2x2 channels-last input, forward + backward, {rounds} rounds")
     for c in (256, 384, 512):
@@ -163,7 +164,7 @@ if __name__ == '__main__':
                    choices=['stem', 'resnet50', 'check', 'short'])
     a = p.parse_args()
     sections = [s for s in a.sections if not (a.skip_resnet and s in ('resnet50', 'check'))]
-    from clfast.guard import onednn_isa
+    from clfast.machine import onednn_isa
     from clfast.machine import machine_key
     print(f"{machine_key()} | oneDNN ISA {onednn_isa()}\n")
     if 'stem' in sections: bench_stem(a.bs, a.size, a.rounds)

@@ -7,6 +7,8 @@ from .graphs import *
 from .audit import *
 from .fused import *
 from .fuse import *
+from .bad_kernels import *
+from .routes import *
 from .guard import *
 from .timing import timings, forget_timings
 from .check import conv_geometries, check_geometries, check_channelslast

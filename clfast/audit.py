@@ -15,7 +15,8 @@ from fastai.learner import Learner
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision as FastaiMP
 from fastai.callback.schedule import ParamScheduler
-from .guard import guard_report, short_input_route
+from .guard import guard_report
+from .routes import short_input_route
 from .amp import MixedPrecision
 from .core import cl_format, is_ambiguous, is_channels_last, is_image_tensor, to_channels_last, model_to
 
@@ -80,7 +81,7 @@ class _LayoutMode(TorchDispatchMode):
         super().__init__()
         store_attr('names,weight_shapes,strict')
         self.stack, self.owners, self.events, self.phase = [], _Owners(), [], 'forward'
-        self.routed = {}   # convs clfast.guard ran in nchw in this run (a short input): their copies are clfast's own
+        self.routed = {}   # convs clfast.routes ran in nchw in this run (a short input): their copies are clfast's own
 
     def module(self) -> str:
         if self.phase == 'forward': return self.stack[-1] if self.stack else '(loss)'

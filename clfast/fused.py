@@ -10,7 +10,9 @@ from torch import nn, Tensor
 from .act import ACTS, get_act, act_of
 from .ops import fused_conv_bn, kernels_ready, kernels_served, autocast_cast, autocast_dtype, no_autocast
 from .reference import ConvGeometry
-from .guard import GuardPlan, route, call_plan, guarded_conv, IMPRECISE_CL_BATCH_NORM
+from .bad_kernels import GuardPlan, route
+from .routes import call_plan, guarded_conv
+from .guard import IMPRECISE_CL_BATCH_NORM
 from .timing import Timing, time_pair, decide, timings
 from .stock import AsStock, rebuilt
 from .bn import is_sync_bn, sync_group, bn_args, stock_class, _qual, _BN_ACT, _SYNC_BN_ACT
@@ -66,7 +68,7 @@ def _fused_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
     return r.restore(out)
 
 def _stock_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float) -> Tensor:
-    """The layer as `to_channelslast()` runs the stock modules: the conv as `clfast.guard` routes it, the precise BN
+    """The layer as `to_channelslast()` runs the stock modules: the conv as `clfast.routes` runs it, the precise BN
     where stock channels-last BN measured imprecise here (without the C++ library: the stock BN), then the residual and
     the activation"""
     z = guarded_conv(conv, x, conv.weight, conv.bias)

@@ -1,4 +1,4 @@
-"The guard against known-bad stock channels-last kernels (clfast.guard) and the numerics self-check (clfast.check), against fp64"
+"The guard against known-bad stock channels-last kernels (clfast.bad_kernels, clfast.routes, clfast.guard) and the numerics self-check (clfast.check), against fp64"
 import copy, json, os, pickle, subprocess, sys, textwrap, warnings
 from unittest import mock
 import pytest, torch, torch.nn.functional as F
@@ -7,11 +7,13 @@ from hypothesis import given, settings, example, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam
 import clfast.callback  # noqa: F401  (patches Learner)
-from clfast import guard, check, timing
-from clfast.guard import (KNOWN_BAD_KERNELS, GuardedConv2d, route, guard_model, unguard_model, guard_report,
-                          onednn_isa, bad_kernels_for, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD,
-                          GuardPlan, IMPRECISE_CL_BATCH_NORM, short_input_slower, weight_grad_in_nchw,
-                          may_meet_slow_backward, slow_backward_conv, SLOW_BF16_BACKWARD, reduced_backward_slower)
+from clfast import bad_kernels, guard, routes, check, timing
+from clfast.machine import onednn_isa
+from clfast.bad_kernels import KNOWN_BAD_KERNELS, GuardPlan, route, bad_kernels_for
+from clfast.routes import (GuardedConv2d, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD, short_input_slower,
+                           weight_grad_in_nchw, may_meet_slow_backward, slow_backward_conv, SLOW_BF16_BACKWARD,
+                           reduced_backward_slower)
+from clfast.guard import guard_model, unguard_model, guard_report, IMPRECISE_CL_BATCH_NORM
 from clfast.bn import PreciseBatchNorm2d
 from clfast.fuse import fusion_report, unfuse_conv_bn
 from clfast.fused import FusedConvBN2d
@@ -35,7 +37,7 @@ def run_child(code:str, env:dict|None=None) -> subprocess.CompletedProcess:
 # the thin 1x1 stride-2 conv of oneDNN issue 6035, weight gradient against fp64, 8 seeds; prints the worst relative error
 WGRAD_VS_FP64 = '''
 import torch, torch.nn.functional as F, sys
-from clfast.guard import GuardPlan, route
+from clfast.bad_kernels import GuardPlan, route
 guarded = sys.argv[1] == 'guarded'
 worst = 0.
 for seed in range(8):
@@ -58,7 +60,7 @@ def test_avx2_kernel_is_routed_by_the_table_and_equals_fp64():
     equals fp64. Nothing is asserted of the stock kernel's result: it reads memory it does not own (undefined
     behaviour; one process once got every seed right), so only clfast's result, given the table, is tested"""
     env = {'ONEDNN_MAX_CPU_ISA': 'AVX2'}
-    table = run_child("import torch.nn as nn; from clfast.guard import bad_kernels_for\n"
+    table = run_child("import torch.nn as nn; from clfast.bad_kernels import bad_kernels_for\n"
                       "print('ROUTED', bool(bad_kernels_for(nn.Conv2d(3, 4, 1, stride=2))))", env)
     assert 'ROUTED True' in table.stdout, table.stdout + table.stderr
     ok = run_child(WGRAD_VS_FP64.replace('sys.argv[1]', "'guarded'"), env)
@@ -195,7 +197,7 @@ def test_short_input_premise_is_measured_and_the_route_follows_it(tmp_path, monk
     x = torch.randn(4, 512, 2, 2).to(memory_format=CL).requires_grad_()
     for held in (here, True, False):   # what was measured, and clfast's behaviour given either answer
         timing._here[f'premise:{SHORT_INPUT_WGRAD.name}'] = held
-        timing._here.update({f'premise:{k.name}': False for k in (SLOW_BF16_BACKWARD, guard.SLOW_FP16_BACKWARD)})   # this route alone
+        timing._here.update({f'premise:{k.name}': False for k in (SLOW_BF16_BACKWARD, routes.SLOW_FP16_BACKWARD)})   # this route alone
         m = copy.deepcopy(conv).to(memory_format=CL); guard_model(m)
         assert (type(m) is GuardedConv2d) == held and (short_input_plan(m, x, m.weight) is not None) == held
 
@@ -260,10 +262,10 @@ def test_slow_backward_premise_is_measured_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(timing, '_here', {})
     calls = []
     probe = lambda: calls.append(1) or reduced_backward_slower(torch.bfloat16)
-    held = guard.premise('test_slow_bf16', probe)
-    assert guard.premise('test_slow_bf16', probe) == held and len(calls) == 1
+    held = routes.premise('test_slow_bf16', probe)
+    assert routes.premise('test_slow_bf16', probe) == held and len(calls) == 1
     conv = nn.Conv2d(8, 8, 3, padding=1)
-    monkeypatch.setattr(timing, '_here', {f'premise:{SLOW_BF16_BACKWARD.name}': held, f'premise:{guard.SLOW_FP16_BACKWARD.name}': False})
+    monkeypatch.setattr(timing, '_here', {f'premise:{SLOW_BF16_BACKWARD.name}': held, f'premise:{routes.SLOW_FP16_BACKWARD.name}': False})
     assert may_meet_slow_backward(conv) == held and not may_meet_slow_backward(nn.Conv2d(8, 8, 3, padding='same'))
 
 @pytest.mark.parametrize('autocast', [True, False], ids=['autocast', 'bf16_model'])
@@ -272,7 +274,7 @@ def test_slow_backward_route_equals_fp64_and_learns_the_way(monkeypatch, autocas
     if not SLOW_BF16_BACKWARD.present(): pytest.skip("bf16 conv backward measured no slower than fp32 here")
     from clfast.ops import kernels_ready
     if not kernels_ready(): pytest.skip("no C++ library")
-    monkeypatch.setattr(guard, '_BACKWARD_WAYS', {})   # what this process learnt so far (the C++ keeps its own choices)
+    monkeypatch.setattr(routes, '_BACKWARD_WAYS', {})   # what this process learnt so far (the C++ keeps its own choices)
     torch.manual_seed(0)
     conv = nn.Conv2d(40, 40, 3, stride=2, padding=1, groups=40).to(memory_format=CL)
     if not autocast: conv = conv.bfloat16()
@@ -292,7 +294,7 @@ def test_slow_backward_route_equals_fp64_and_learns_the_way(monkeypatch, autocas
         assert got.dtype == like.dtype and got.stride() == like.stride(), name
         err = ((got.double() - want).norm() / want.norm()).item()
         assert err < 1e-2, f"{name}: {err:.3g}"
-    ways = dict(guard._BACKWARD_WAYS)
+    ways = dict(routes._BACKWARD_WAYS)
     key = next(k for k in ways if tuple(k[0]) == (3, 40, 14, 10) and k[5] == torch.bfloat16)
     assert ways[key] in ('conv', 'fp32')
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
@@ -325,7 +327,7 @@ def test_check_finds_the_avx2_bug_and_guards_it(cache_dir, monkeypatch):
     "With oneDNN capped at AVX2 in the child, the check flags the thin 1x1 stride-2 stem (wrong or crashed); one warning names it"
     if not X86: pytest.skip("needs x86")
     monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX2')
-    monkeypatch.setattr(guard, 'KNOWN_BAD_KERNELS', ())   # as if the table did not know this bug
+    monkeypatch.setattr(bad_kernels, 'KNOWN_BAD_KERNELS', ())   # as if the table did not know this bug
     learn = thin_stem_learner(2, size=8)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
@@ -390,13 +392,13 @@ def test_pointwise_premise_is_measured_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
     monkeypatch.setattr(timing, '_here', {})
     calls = []
-    probe = lambda: calls.append(1) or guard.pointwise_maps_slower()
-    held = guard.premise('test_slow_pointwise', probe)
-    assert guard.premise('test_slow_pointwise', probe) == held and len(calls) == 1
-    monkeypatch.setattr(timing, '_here', {f'premise:{guard.SLOW_POINTWISE_MAPS.name}': held})
-    assert guard.may_meet_slow_pointwise(nn.Conv2d(8, 4, 1)) == held
+    probe = lambda: calls.append(1) or routes.pointwise_maps_slower()
+    held = routes.premise('test_slow_pointwise', probe)
+    assert routes.premise('test_slow_pointwise', probe) == held and len(calls) == 1
+    monkeypatch.setattr(timing, '_here', {f'premise:{routes.SLOW_POINTWISE_MAPS.name}': held})
+    assert routes.may_meet_slow_pointwise(nn.Conv2d(8, 4, 1)) == held
     for other in (nn.Conv2d(8, 4, 1, stride=2), nn.Conv2d(8, 8, 1, groups=2), nn.Conv2d(8, 4, 3), nn.Conv2d(8, 4, 1, padding=1)):
-        assert not guard.may_meet_slow_pointwise(other)
+        assert not routes.may_meet_slow_pointwise(other)
 
 class _AtenOps(TorchDispatchMode):
     "Records the aten ops that run"
@@ -408,7 +410,7 @@ class _AtenOps(TorchDispatchMode):
 @pytest.mark.parametrize('held', [True, False], ids=['slow_here', 'not_slow_here'])
 def test_squeeze_excite_convs_as_products_where_measured(monkeypatch, held):
     "The guard runs a 1x1 conv on 1x1 maps as one matrix product where the premise holds, else as the conv: fp64's output and gradients at fp32's precision either way; a larger map always takes the conv; unguarded (and pickled) as nn.Conv2d"
-    monkeypatch.setitem(timing._here, f'premise:{guard.SLOW_POINTWISE_MAPS.name}', held)
+    monkeypatch.setitem(timing._here, f'premise:{routes.SLOW_POINTWISE_MAPS.name}', held)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(16, 4, 1), nn.ReLU(), nn.Conv2d(4, 16, 1), nn.Sigmoid()).to(memory_format=CL)
     ref = copy.deepcopy(net).double()
@@ -435,7 +437,7 @@ def test_guard_is_for_cpu_models_only(monkeypatch):
     """A model on another device (here 'meta': no GPU on this machine) gets no guard, no precise BN and no CPU probe,
     from `guard_model` and from `to_channelslast()` for a learner whose batches go there; back on the CPU it is guarded"""
     probed = []
-    monkeypatch.setattr(guard, 'premise', lambda name, probe: probed.append(name) or True)
+    monkeypatch.setattr(routes, 'premise', lambda name, probe: probed.append(name) or True)
     learn = Learner(image_dls(), nn.Sequential(ConvLayer(3, 8), ConvLayer(8, 16, stride=2), nn.AdaptiveAvgPool2d(1),
                                                Flatten(), nn.Linear(16, 2)), loss_func=CrossEntropyLossFlat())
     stock = [type(m) for m in learn.model.modules()]

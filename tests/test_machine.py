@@ -107,15 +107,15 @@ def test_isa_matrix_runs_the_levels_below_the_host(host, monkeypatch, flags, arc
 @pytest.mark.parametrize('text', ['', '{"torch', '\x00\xff garbage', '[1, 2]', 'null', '{"%KEY%": [1, 2]}', '{"%KEY%": "x"}'])
 def test_a_broken_cache_is_measured_again(text, tmp_path, monkeypatch):
     "A cache file truncated, corrupted or holding something else: its premises are probed again and written back whole"
-    from clfast import guard, timing
+    from clfast import routes, timing
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
     monkeypatch.setattr(timing, '_here', {})   # as a fresh process: the file is read
     cache = timing._TimingCache(timing.TIMINGS)
     cache.path.write_text(text.replace('%KEY%', cache.key()))
     probed = []
-    assert guard.premise('p', lambda: probed.append(1) or True) is True and probed == [1]
+    assert routes.premise('p', lambda: probed.append(1) or True) is True and probed == [1]
     timing._here.clear()
-    assert guard.premise('p', lambda: probed.append(1) or False) is True and probed == [1]   # read back, not probed
+    assert routes.premise('p', lambda: probed.append(1) or False) is True and probed == [1]   # read back, not probed
     assert json.loads(cache.path.read_text())[cache.key()] == {'premise:p': True}
 
 def test_two_processes_writing_one_cache(tmp_path):

@@ -19,7 +19,8 @@ __all__ = ['SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'SLOW_BF16_BACKWARD', 
            'premise', 'forget_premises', 'MeasuredKernel', 'weight_grad_in_nchw', 'short_input_slower',
            'may_meet_short_input', 'short_input_plan', 'reduced_backward_slower', 'may_meet_slow_backward',
            'slow_backward_conv', 'is_pointwise', 'on_pointwise_maps', 'pointwise_product', 'pointwise_maps_slower',
-           'may_meet_slow_pointwise', 'guarded_conv', 'GuardedConv2d', 'call_plan', 'short_input_route']
+           'may_meet_slow_pointwise', 'takes_pointwise_product', 'guarded_conv', 'GuardedConv2d', 'call_plan',
+           'short_input_route']
 
 # %% ../nbs/04c_routes.ipynb #1b8c85af
 def premise(name:str, probe:Callable[[], Timing|bool]) -> bool:
@@ -228,15 +229,18 @@ def may_meet_slow_pointwise(conv:nn.Module) -> bool:
     "Whether stock `conv` is `is_pointwise` and ATen's conv on 1x1 maps measured slow on this machine"
     return is_pointwise(conv) and SLOW_POINTWISE_MAPS.present()
 
+def takes_pointwise_product(conv:nn.Module, x:Tensor) -> bool:
+    """Whether this call of `conv` runs as `pointwise_product`, for a guarded conv and a fused model's `PointwiseConv2d`
+    alike: a CPU input of 1x1 maps, where the conv measured slower here (not while compiling: inductor decides)"""
+    return on_pointwise_maps(conv, x) and not torch.compiler.is_compiling() and SLOW_POINTWISE_MAPS.present()
+
 # %% ../nbs/04c_routes.ipynb #79bc6020
 def guarded_conv(conv:nn.Conv2d, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
     "`conv`'s stock conv of `input`, run as its plan says (`call_plan`): a `GuardedConv2d`'s, and a fused layer's stock way"
     stock = lambda x, w, b: nn.Conv2d._conv_forward(conv, x, w, b)
     plan = call_plan(conv, input, weight)
     if plan is None:
-        # squeeze-excite's convs: the product where the conv measured slower (not while compiling: inductor decides)
-        if on_pointwise_maps(conv, input) and not torch.compiler.is_compiling() and SLOW_POINTWISE_MAPS.present():
-            return pointwise_product(conv, input, weight, bias)
+        if takes_pointwise_product(conv, input): return pointwise_product(conv, input, weight, bias)   # squeeze-excite's
         out = slow_backward_conv(conv, input, weight, bias)
         return stock(input, weight, bias) if out is None else out
     if plan.workaround == 'nchw_weight_grad':

@@ -433,6 +433,17 @@ def test_squeeze_excite_convs_as_products_where_measured(monkeypatch, held):
     unguard_model(net)
     assert type(net[0]) is type(net[2]) is nn.Conv2d
 
+@pytest.mark.parametrize('held', [True, False], ids=['slow_here', 'not_slow_here'])
+def test_fused_squeeze_excite_convs_follow_the_premise(monkeypatch, held):
+    "A fused model's PointwiseConv2d takes the matrix product by the guard's rule: only where the conv measured slower here"
+    from clfast.fuse.pointwise import PointwiseConv2d, to_pointwise
+    monkeypatch.setitem(timing._here, f'premise:{routes.SLOW_POINTWISE_MAPS.name}', held)
+    net = nn.Sequential(nn.Conv2d(16, 4, 1), nn.ReLU(), nn.Conv2d(4, 16, 1)).to(memory_format=CL)
+    to_pointwise(net)
+    assert type(net[0]) is type(net[2]) is PointwiseConv2d
+    with _AtenOps() as ops: net(torch.randn(6, 16, 1, 1).to(memory_format=CL))
+    assert ('convolution' in ops.seen) != held and ('addmm' in ops.seen) == held
+
 def test_guard_is_for_cpu_models_only(monkeypatch):
     """A model on another device (here 'meta': no GPU on this machine) gets no guard, no precise BN and no CPU probe,
     from `guard_model` and from `to_channelslast()` for a learner whose batches go there; back on the CPU it is guarded"""

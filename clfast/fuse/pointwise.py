@@ -6,7 +6,7 @@
 from __future__ import annotations
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
-from ..routes import GuardedConv2d, is_pointwise, on_pointwise_maps, pointwise_product
+from ..routes import GuardedConv2d, is_pointwise, takes_pointwise_product, pointwise_product
 from ..fused import _FusedMixin
 from ..stock import rebuilt, replace_modules
 
@@ -15,10 +15,10 @@ __all__ = ['PointwiseConv2d', 'to_pointwise']
 
 # %% ../../nbs/24f_fuse_pointwise.ipynb #899a254c
 class PointwiseConv2d(_FusedMixin, GuardedConv2d):
-    "A 1x1 conv run as one matrix product on a CPU input of 1x1 maps (`clfast.routes.pointwise_product`), else as the (guarded) conv; pickles as a stock `nn.Conv2d`"
+    "A 1x1 conv run as one matrix product on a CPU input of 1x1 maps where the conv measured slower here (`clfast.routes.takes_pointwise_product`), else as the (guarded) conv; pickles as a stock `nn.Conv2d`"
     _stock_class, _own_attrs = nn.Conv2d, ('_cl_guard', 'surgical')
     def forward(self, input:Tensor) -> Tensor:   # forward itself, not `_conv_forward`: one Python call less per call
-        if on_pointwise_maps(self, input): return pointwise_product(self, input, self.weight, self.bias)
+        if takes_pointwise_product(self, input): return pointwise_product(self, input, self.weight, self.bias)
         return self._conv_forward(input, self.weight, self.bias)   # GuardedConv2d's: as `clfast.routes` runs it
 
 def to_pointwise(model:nn.Module, surgical:bool=True) -> list:

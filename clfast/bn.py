@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import torch, torch.distributed as dist, torch.nn.functional as F
 from torch import nn, Tensor
-from .ops import fused_conv_bn, kernels_ready
+from .ops import fused_conv_bn, kernels_ready, kernel_layout
 from .stock import AsStock, rebuilt
 from .act import act_of
 
@@ -62,7 +62,7 @@ def _runs_precise(bn:nn.Module, x:Tensor) -> bool:
     if sync_group(bn) is not None: return 2 <= x.dim() <= 4   # any layout: PyTorch's SyncBatchNorm has no CPU kernel
     if x.dim() != 4: return False
     if x.dtype not in _HALF_OR_FLOAT: return False   # fp64 sums in fp64 either way
-    if not x.is_contiguous(memory_format=torch.channels_last) or x.is_contiguous(): return False   # nchw, or ambiguous
+    if kernel_layout(x) is not torch.channels_last: return False   # nchw, or ambiguous
     return bn.training or (torch.is_grad_enabled() and (x.requires_grad or (bn.weight is not None and bn.weight.requires_grad)))
 
 class _PreciseBN(AsStock):

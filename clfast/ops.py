@@ -16,8 +16,8 @@ from .reference import (ConvGeometry, PARAM_ROWS, acc_dtype, ref_layer_fwd, ref_
 from .syncstats import _group_name, _synced_stats, _synced_grad_means
 
 # %% auto #0
-__all__ = ['REFERENCE', 'TRITON', 'register_kernels', 'kernels_served', 'kernels_from', 'kernels_ready', 'autocast_on',
-           'no_autocast', 'autocast_dtype', 'autocast_cast', 'fused_conv_bn']
+__all__ = ['REFERENCE', 'TRITON', 'kernel_layout', 'register_kernels', 'kernels_served', 'kernels_from', 'kernels_ready',
+           'autocast_on', 'no_autocast', 'autocast_dtype', 'autocast_cast', 'fused_conv_bn']
 
 # %% ../nbs/21_ops.ipynb #7dc203a5
 _lib = torch.library.Library('clfast', 'DEF')
@@ -40,8 +40,8 @@ _lib.define("synced_grad_means(Tensor sum_dz, Tensor sum_dzx, Tensor y, str grou
 # %% ../nbs/21_ops.ipynb #40c42205
 _GEOMETRY_AT = dict(layer_fwd=8, layer_bwd=8, batch_stats=None, update_running=None)   # where the schema's stride, padding, dilation, groups start
 
-def _layout(t:Tensor) -> torch.memory_format:
-    "channels_last if `t` is laid out so (and not also contiguous), else contiguous_format"
+def kernel_layout(t:Tensor) -> torch.memory_format:
+    "The layout clfast's kernels (and ATen's CPU BN) treat `t` as: channels_last if laid out so and not also contiguous, else contiguous_format"
     cl = t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
     return torch.channels_last if cl else torch.contiguous_format
 
@@ -49,7 +49,7 @@ def _as_inputs(grads:tuple, x:Tensor, weight:Optional[Tensor]) -> tuple:
     """`layer_bwd`'s results with `dx` and `dweight` in `x`'s and `weight`'s layouts, the kernels' rule (ATen's CPU conv
     backward may return a channels-last weight gradient for a contiguous weight); the C++ kernels apply it themselves"""
     dx, dw, *rest = grads
-    fix = lambda g, t: g if t is None or g.numel() == 0 else g.contiguous(memory_format=_layout(t))
+    fix = lambda g, t: g if t is None or g.numel() == 0 else g.contiguous(memory_format=kernel_layout(t))
     return (fix(dx, x), fix(dw, weight), *rest)
 
 # `kernels_from` serves a key over its own kernels on purpose: some torch versions (2.11) count a fake as a Python
@@ -95,7 +95,7 @@ class _Fake:
     @staticmethod
     def layer_bwd(dout, x, weight, bias, y, params, residual, out, geom, training, act, act_param, needs, grad_means=None):
         # the kernels' rule: each gradient in its input's layout (the C++ kernels and `_as_inputs` see to it)
-        pick = lambda need, t: torch.empty_like(t, memory_format=_layout(t)) if need else _empty(params)
+        pick = lambda need, t: torch.empty_like(t, memory_format=kernel_layout(t)) if need else _empty(params)
         return (pick(needs[0], x), pick(needs[1] and weight is not None, weight if weight is not None else x),
                 pick(needs[2] and bias is not None, params[0].to(x.dtype)), pick(needs[3], params[0]),
                 pick(needs[4], params[0]), torch.empty_like(dout, memory_format=torch.channels_last) if needs[5] else _empty(params))

@@ -8,6 +8,7 @@ import contextlib, functools, math
 import torch
 from torch import Tensor
 import triton
+from .reference import acc_dtype
 import triton.language as tl
 
 # %% auto #0
@@ -326,7 +327,7 @@ def _slabs(m:int, c:int, bm:int, bc:int, target:int=1024):
     rows_per = _cdiv(_cdiv(m, p), bm) * bm
     return rows_per, _cdiv(m, rows_per)
 
-def _acc(x:Tensor): return torch.float64 if x.dtype == torch.float64 else torch.float32
+def _acc(x:Tensor): return acc_dtype(x.dtype)   # the one rule, clfast.reference's
 
 def _on(x:Tensor):
     "Launch on `x`'s GPU (Triton launches on the current device)"

@@ -122,6 +122,8 @@ class _Replay(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         graph, ctx.graph = ctx.graph, None   # fastai keeps the last step's pred and loss: they hold no graph memory
+        if graph is None: raise RuntimeError("clfast CudaGraphs: a step replayed from a CUDA graph backpropagates once "
+                                             "(no retain_graph=True); train it with graphs=False")
         diff = iter(grads[i] for i, o in enumerate(graph.outputs) if o.requires_grad)
         for static, g in zip(graph.grad_outputs, diff): static.copy_(g)
         graph.bwd.replay()

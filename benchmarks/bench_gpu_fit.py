@@ -103,7 +103,7 @@ class Group:
         self.xb = TensorImage(torch.randn(bs, 3, args.px, args.px, generator=g).to(self.dev))   # contiguous, as a loader's batch is
         self.yb = TensorCategory(torch.randint(0, 1000, (bs,), generator=g).to(self.dev))
         if model_name not in bases: bases[model_name] = make_model(model_name)
-        self.base, self.learners, self.runs = bases[model_name], {}, {s: [] for s in setups}
+        self.base, self.learners, self.runs = bases[model_name], {}, {s: {} for s in setups}   # setup -> {round: img/s}
         self.notes, self.errors, self.first_s, self.peak = {}, {}, {}, {}
 
     def sync(self):
@@ -141,13 +141,13 @@ class Group:
             for setup in self.setups[k:] + self.setups[:k]:
                 if setup in self.errors: continue
                 t = time.perf_counter()
-                try: self.runs[setup].append((r, self.fit(setup, first=r == 0)))
+                try: self.runs[setup][r] = self.fit(setup, first=r == 0)
                 except Exception as e:
                     self.errors[setup] = (f"{type(e).__name__}: {str(e).strip().splitlines()[0][:150]}" if str(e).strip()
                                           else type(e).__name__)
                     self.learners.pop(setup, None)
                     _free(self.dev, compiled=False)   # the group's compiled setups keep their code
-                got = self.runs[setup][-1][1] if setup not in self.errors else self.errors[setup]
+                got = self.errors.get(setup) or self.runs[setup][r]
                 log(f"{' '.join(map(str, self.key))} {setup} round {r}: {got if isinstance(got, str) else f'{got:.0f} img/s'}"
                     f"  ({time.perf_counter() - t:.1f} s)")
         self.learners.clear()
@@ -160,8 +160,8 @@ class Group:
         for s in self.setups:
             if s in self.errors: out[s] = dict(error=self.errors[s]); continue
             if not self.runs[s]: continue
-            mine = dict(self.runs[s])
-            ratio = {b: med([v / dict(self.runs[b])[r] for r, v in mine.items() if r in dict(self.runs.get(b, []))])
+            mine = self.runs[s]
+            ratio = {b: med([v / self.runs[b][r] for r, v in mine.items() if r in self.runs.get(b, {})])
                      for b in ('stock-cl', 'fastai')}
             out[s] = dict(img_s=med(list(mine.values())), ratio=ratio, rounds=len(mine), first_s=self.first_s[s],
                           peak_gib=self.peak.get(s, float('nan')), note='; '.join(self.notes[s]))

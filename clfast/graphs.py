@@ -4,7 +4,7 @@
 
 # %% ../nbs/29_graphs.ipynb #dd34a3ea
 from __future__ import annotations
-import gc, warnings
+import functools, gc, warnings
 import torch
 from torch import nn, Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -42,11 +42,8 @@ def _tensors_at(model:nn.Module) -> tuple:
     "Where `model`'s parameters and buffers are, and which parameters train: what a captured graph depends on"
     return (tuple((p.data_ptr(), p.requires_grad) for p in model.parameters()), tuple(b.data_ptr() for b in model.buffers()))
 
-_streams = {}   # one side stream per device for every capture: cuBLAS keeps a workspace per stream, for good
-
-def _capture_stream(device:torch.device) -> torch.cuda.Stream:
-    if device not in _streams: _streams[device] = torch.cuda.Stream(device)
-    return _streams[device]
+@functools.cache   # one side stream per device for every capture: cuBLAS keeps a workspace per stream, for good
+def _capture_stream(device:torch.device) -> torch.cuda.Stream: return torch.cuda.Stream(device)
 
 class _Graph:
     "The forward and backward of `forward(*args)` over `model`'s trainable parameters, captured for `args`' signature"

@@ -48,7 +48,7 @@ def _refuse_cpu_sync(module:nn.Module, names:list[str], done:str):
         f"BatchNormAct2d with a fusable activation) where its C++ kernels load; these are neither: {listed}. Train "
         f"without synchronized BN (learn.distrib_ctx(sync_bn=False), or no convert_sync_batchnorm), or on CUDA (NCCL).")
 
-def _convert(cls, module:nn.Module, process_group=None, synced:dict|None=None) -> nn.Module:
+def _convert(cls, module:nn.Module, process_group, synced:dict) -> nn.Module:
     "`module` with its BNs synchronized: new modules where they change; `synced` maps the fused convs' BNs to theirs"
     if cpu_sync_capable(module) and _on_cpu(module) and _gloo(process_group):   # PyTorch's SyncBatchNorm has no CPU kernel
         return make_precise(module, sync=True, process_group=process_group)

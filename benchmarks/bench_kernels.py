@@ -6,11 +6,14 @@ EfficientNet-B0 layer shapes at batch 16, 160 px, fp32; prints times and ratios.
 CUDA (when a GPU is present): achieved bandwidth of each Triton kernel vs a measured device-to-device copy
 (`y.clone()`) on ResNet-50 activation shapes at batch 256, 224 px, bf16 and fp16.
 Then fused BN + ReLU (+ add) forward + backward vs stock (F.batch_norm, add, ReLU under autograd) on the same shapes,
-beside the stock / fused ratio `clfast.gpu_report`'s traffic model predicts.
+beside the stock / fused ratio `clfast.gpu_report`'s traffic model predicts. GPU times are the GPU's alone
+(`triton.testing.do_bench`: L2 flushed before each run, the host's issue time hidden behind the flush); the host's
+time to issue each is printed beside them (until 2026-11-26 the two were one figure, which the small shapes' host
+time inflated).
 
 Run under the shared CPU lock:  flock /tmp/clfast-cpu.lock python benchmarks/bench_kernels.py [--device cpu|cuda]
 """
-import argparse, os, statistics, time
+import argparse, statistics, time
 import torch
 import torch.nn.functional as F
 from clfast import ops
@@ -72,20 +75,27 @@ def bench_cpu(reps):
               f"{t['stock']/t['cpp']:10.2f} {t['ref']/t['cpp']:8.2f}")
 
 def cuda_time(f, reps=20):
-    "Median milliseconds of `f()` on the current stream, by CUDA events"
+    """Median milliseconds of `f()` on the GPU alone, by `triton.testing.do_bench`: L2 flushed before each run, by a
+    memset that keeps the GPU busy while the host issues `f`'s launches, so the host's time is not in it"""
+    import triton.testing
+    return triton.testing.do_bench(f, warmup=max(5, reps), rep=max(20, 5 * reps), return_mode='median')
+
+def issue_time(f, reps=20):
+    "Median microseconds the host takes to issue `f()` (its Python and launches; the GPU synchronized between runs)"
     for _ in range(3): f()
     ts = []
     for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record(); f(); e.record(); torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+        torch.cuda.synchronize()
+        t = time.perf_counter(); f(); ts.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    return statistics.median(ts) * 1e6
 
 def bench_cuda(reps):
     from clfast import triton_kernels as tk
-    print(f"CUDA {torch.cuda.get_device_name()}: bandwidth of each Triton kernel vs a device-to-device copy")
+    print(f"CUDA {torch.cuda.get_device_name()}: bandwidth of each Triton kernel vs a device-to-device copy (GPU time "
+          "alone), and the host's time to issue each")
     print(f"{'shape':>22} {'dtype':>9} {'copy GB/s':>10} {'stats':>7} {'fwd':>7} {'fwd+add':>8} {'bwd':>7} "
-          f"{'bwd+add':>8}  (fraction of copy bandwidth)")
+          f"{'bwd+add':>8}  (fraction of copy bandwidth) | host us: stats fwd bwd")
     for dtype in (torch.bfloat16, torch.float16):
         for shape in CUDA_SHAPES:
             y, w, b, r, g = make(shape, dtype, 'cuda', True)
@@ -102,8 +112,9 @@ def bench_cuda(reps):
                 'bwd': (lambda: tk.bwd(xg, x, mean, invstd, scale, shift, None, True, True, False), 5),
                 'bwd+add': (lambda: tk.bwd(xg, x, mean, invstd, scale, shift, xr, True, True, True), 8)}
             frac = {k: (n * nb / cuda_time(f, reps) / 1e6) / copy_bw for k, (f, n) in runs.items()}
+            host = [issue_time(runs[k][0], reps) for k in ('stats', 'fwd', 'bwd')]
             print(f"{str(list(shape)):>22} {str(dtype)[6:]:>9} {copy_bw:10.0f} " +
-                  ' '.join(f"{frac[k]:{max(7, len(k))}.2f}" for k in runs))
+                  ' '.join(f"{frac[k]:{max(7, len(k))}.2f}" for k in runs) + " | " + ' '.join(f"{h:.0f}" for h in host))
 
 def model_ratio(dtype, res):
     "The traffic model's stock / fused bytes of BN + ReLU (+ add) forward + backward (clfast.gpu_report), or None"
@@ -120,8 +131,9 @@ def bench_cuda_vs_stock(reps):
     """BN + ReLU (+ add), forward + backward with batch statistics: the Triton kernels' passes against stock
     F.batch_norm, add and ReLU under autograd, beside the ratio the traffic model predicts (KERNELS.md)"""
     from clfast import triton_kernels as tk
-    print(f"CUDA {torch.cuda.get_device_name()}: fused BN+ReLU(+add) forward+backward vs stock, ms and stock/fused")
-    print(f"{'shape':>22} {'dtype':>9} {'add':>4} {'fused':>8} {'stock':>8} {'ratio':>6} {'model':>6}")
+    print(f"CUDA {torch.cuda.get_device_name()}: fused BN+ReLU(+add) forward+backward vs stock, GPU ms and stock/fused; "
+          "the host's us to issue each")
+    print(f"{'shape':>22} {'dtype':>9} {'add':>4} {'fused':>8} {'stock':>8} {'ratio':>6} {'model':>6} {'host us':>8} {'stock':>6}")
     for dtype in (torch.bfloat16, torch.float16):
         for res in (False, True):
             predicted = model_ratio(dtype, res)
@@ -143,8 +155,9 @@ def bench_cuda_vs_stock(reps):
                     # grad, not backward: no accumulation into .grad, which would add a pass per step
                     torch.autograd.grad(F.relu(z, inplace=True), [ys, ws, bs] + ([rs] if res else []), g)
                 tf, ts = cuda_time(fused, reps), cuda_time(stock, reps)
+                hf, hs = issue_time(fused, reps), issue_time(stock, reps)
                 print(f"{str(list(shape)):>22} {str(dtype)[6:]:>9} {'yes' if res else 'no':>4} {tf:8.3f} {ts:8.3f} "
-                      f"{ts / tf:6.2f} " + (f"{predicted:6.2f}" if predicted else f"{'-':>6}"))
+                      f"{ts / tf:6.2f} " + (f"{predicted:6.2f}" if predicted else f"{'-':>6}") + f" {hf:8.0f} {hs:6.0f}")
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])

@@ -280,7 +280,9 @@ def compile_spec(spec:Spec) -> Compiled:
     k = triton.compile(ASTSource(spec.kernel, spec.signature, spec.constexprs, spec.attrs), target=_target(spec.cc)[0],
                        options=spec.options.__dict__)
     use = _resource_usage(k.asm['cubin'])
-    tiles = [(op, int(m) * int(n) * _SIZE[t]) for op, m, n, t in _TILE_OP.findall(k.asm['ttir'])]
+    # not the volatile loads: the reductions' last program reading the `[P, C]` partial sums, not the `[M, C]` stream
+    tiles = [(op, int(m) * int(n) * _SIZE[t]) for line in k.asm['ttir'].splitlines() if 'isVolatile = true' not in line
+             for op, m, n, t in _TILE_OP.findall(line)]
     return Compiled(spec, use['REG'], k.metadata.shared, use['STACK'], use['LOCAL'], k.metadata.num_warps,
                     sum(b for op, b in tiles if op == 'load'), sum(b for op, b in tiles if op == 'store'))
 

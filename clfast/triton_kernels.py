@@ -26,13 +26,18 @@ def _last_program(lock_ptr, n):
     return last
 
 @triton.jit
-def _sum_partials(ps_ptr, pq_ptr, cols, cmask, C, P, BLOCK_C: tl.constexpr):
-    "The `P` rows of partial sums at `ps_ptr` and `pq_ptr` added in order, for the last program (`volatile` loads)"
+def _sum_partials(ps_ptr, pq_ptr, cols, cmask, C, P, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The `P` rows of partial sums at `ps_ptr` and `pq_ptr` added, for the last program (`volatile` loads): `BLOCK_P`
+    rows a step, then across the tile. One row a step made the tail `P` L2 round trips in a row: with 64 channels `P` is
+    1024, ~150-250 us on an H100 (predicted: about half the statistics pass measured at 256x64x112x112)"""
     s = tl.zeros([BLOCK_C], dtype=ps_ptr.dtype.element_ty)
     q = tl.zeros([BLOCK_C], dtype=ps_ptr.dtype.element_ty)
-    for p in range(0, P):
-        s += tl.load(ps_ptr + p * C + cols, mask=cmask, other=0, volatile=True)
-        q += tl.load(pq_ptr + p * C + cols, mask=cmask, other=0, volatile=True)
+    for p0 in range(0, P, BLOCK_P):   # (a tile's sum a step: tile-shaped accumulators spilled some specializations)
+        prow = p0 + tl.arange(0, BLOCK_P)
+        mask = (prow < P)[:, None] & cmask[None, :]
+        offs = prow[:, None] * C + cols[None, :]
+        s += tl.sum(tl.load(ps_ptr + offs, mask=mask, other=0, volatile=True), axis=0)
+        q += tl.sum(tl.load(pq_ptr + offs, mask=mask, other=0, volatile=True), axis=0)
     return s, q
 
 # %% ../nbs/20_triton_kernels.ipynb #e9876aba
@@ -74,7 +79,7 @@ def _stats(x_ptr, ps_ptr, pq_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, mean_ptr, var_p
     tl.store(ps_ptr + pid_m * C + cols, tl.sum(acc_s, axis=0), mask=cmask)
     tl.store(pq_ptr + pid_m * C + cols, tl.sum(acc_q, axis=0), mask=cmask)
     if _last_program(lock_ptr + pid_c, P):
-        s, q = _sum_partials(ps_ptr, pq_ptr, cols, cmask, C, P, BLOCK_C)
+        s, q = _sum_partials(ps_ptr, pq_ptr, cols, cmask, C, P, BLOCK_M, BLOCK_C)   # the accumulators' tile, free now
         md = s / M
         # the shift loaded again: kept live across the loop, it cost some specializations a stack frame (sm_80)
         mean = tl.load(x_ptr + cols, mask=cmask, other=0).to(eps.dtype) + md
@@ -254,7 +259,7 @@ def _bwd_sums(g_ptr, x_ptr, mean_ptr, invstd_ptr, scale_ptr, shift_ptr, res_ptr,
     tl.store(ps_ptr + pid_m * C + cols, tl.sum(acc_s, axis=0), mask=cmask)
     tl.store(pq_ptr + pid_m * C + cols, tl.sum(acc_q, axis=0), mask=cmask)
     if _last_program(lock_ptr + pid_c, P):
-        s, q = _sum_partials(ps_ptr, pq_ptr, cols, cmask, C, P, BLOCK_C)
+        s, q = _sum_partials(ps_ptr, pq_ptr, cols, cmask, C, P, BLOCK_M // 2, BLOCK_C)   # half a tile: a whole one spilled (sm_90, bf16, eval)
         invstd = tl.load(invstd_ptr + cols, mask=cmask, other=0)
         sdx = q * invstd
         tl.store(sdz_ptr + cols, s, mask=cmask)

@@ -82,11 +82,16 @@ def model_step(arch:str, dtype:torch.dtype, mode:str, bs:int=BATCH, size:int=SIZ
     x = torch.empty(bs, 3, size, size, dtype=dtype, device='meta').to(memory_format=torch.channels_last)
     return _step(lambda: model(x))
 
+class _Traced(torch.overrides.TorchFunctionMode):
+    "A mode that changes nothing but is seen: the layer op goes through the kernel ops, as under torch.compile"
+    def __torch_function__(self, func, types, args=(), kwargs=None): return func(*args, **(kwargs or {}))
+
 def layer_step(dtype:torch.dtype, act:str, act_param:float=0., residual:bool=False, training:bool=True,
                mode:str='speed', affine:bool=True, grads=(True, True, True), c:int=64,
-               shape=(2, 8, 8, 8)) -> list[Launch]:
+               shape=(2, 8, 8, 8), momentum:float|None=.1, traced:bool=False) -> list[Launch]:
     """The launches of one fused layer (3x3 conv to `c` channels, BN, residual, activation) forward and backward,
-    dry-run; `grads`: whether the conv (input and weight), the BN parameters and the residual need gradients"""
+    dry-run; `grads`: whether the conv (input and weight), the BN parameters and the residual need gradients;
+    `traced`: through the kernel ops (torch.compile's way), not the Triton functions CUDA's eager step calls"""
     n, cin, h, w = shape
     mk = lambda *s, dt=torch.float32, rg=False: torch.empty(*s, dtype=dt, device='meta').requires_grad_(rg)
     cl = lambda t: t.to(memory_format=torch.channels_last)
@@ -94,9 +99,11 @@ def layer_step(dtype:torch.dtype, act:str, act_param:float=0., residual:bool=Fal
     x, wt = cl(mk(n, cin, h, w, dt=dtype, rg=g_conv)), cl(mk(c, cin, 3, 3, dt=dtype, rg=g_conv))
     bw, bb = (mk(c, rg=g_bn), mk(c, rg=g_bn)) if affine else (None, None)
     res = cl(mk(n, c, h, w, dt=dtype, rg=g_res)) if residual else None
-    return _step(lambda: ops.fused_conv_bn(x, wt, None, bw, bb, mk(c), mk(c), mk((), dt=torch.long), training, .1, 1e-5,
-                                           ConvGeometry(padding=(1, 1)), residual=res, act=act, act_param=act_param,
-                                           keep_y=mode == 'speed'))
+    step = lambda: ops.fused_conv_bn(x, wt, None, bw, bb, mk(c), mk(c), mk((), dt=torch.long), training, momentum, 1e-5,
+                                     ConvGeometry(padding=(1, 1)), residual=res, act=act, act_param=act_param,
+                                     keep_y=mode == 'speed')
+    if not traced: return _step(step)
+    with _Traced(): return _step(step)
 
 # each activation once; leaky ReLU also with a negative slope (its derivative cannot be read from the output)
 LAYER_ACTS = tuple((a.name, .1 if a.name == 'leaky_relu' else 0.) for a in ACTS.values()) + (('leaky_relu', -.2),)
@@ -107,13 +114,18 @@ def option_steps(dtypes=DTYPES):
                                                                       MODES, (True, False)):
         # conv input and weight count as one: the kernels see only whether dy is wanted at all
         for grads in itertools.product((True, False), (True, False) if affine else (False,), (True, False) if res else (False,)):
-            opts = dict(dtype=dt, act=act, act_param=p, residual=res, training=training, mode=mode, affine=affine, grads=grads)
-            yield opts, layer_step(**opts)
+            # momentum None (a cumulative average) updates the running statistics in a launch of its own
+            for momentum in ((.1, None) if training else (.1,)):
+                opts = dict(dtype=dt, act=act, act_param=p, residual=res, training=training, mode=mode, affine=affine,
+                            grads=grads, momentum=momentum)
+                yield opts, layer_step(**opts)
 
 def launch_plan(models=MODELS, dtypes=DTYPES) -> dict[str, list[Launch]]:
     "Every launch of the plan: `{'models': [...], 'options': [...]}`"
     return {'models': [l for arch, dt, mode in itertools.product(models, dtypes, MODES) for l in model_step(arch, dt, mode)],
-            'options': [l for _, ls in option_steps(dtypes) for l in ls]}
+            # and what torch.compile's kernel ops launch besides: the running statistics' own launch, by a momentum
+            'options': [l for _, ls in option_steps(dtypes) for l in ls] +
+                       [l for dt in dtypes for l in layer_step(dt, 'relu', traced=True)]}
 
 # %% ../nbs/27_gpu_report.ipynb #0a72b20a
 @functools.cache

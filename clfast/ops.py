@@ -16,8 +16,8 @@ from .reference import (ConvGeometry, PARAM_ROWS, acc_dtype, ref_layer_fwd, ref_
 from .syncstats import _group_name, _synced_stats, _synced_grad_means
 
 # %% auto #0
-__all__ = ['REFERENCE', 'TRITON', 'kernel_layout', 'register_kernels', 'kernels_served', 'kernels_from', 'kernels_ready',
-           'autocast_on', 'no_autocast', 'autocast_dtype', 'autocast_cast', 'fused_conv_bn']
+__all__ = ['REFERENCE', 'kernel_layout', 'register_kernels', 'kernels_served', 'kernels_from', 'kernels_ready', 'autocast_on',
+           'no_autocast', 'autocast_dtype', 'autocast_cast', 'fused_conv_bn']
 
 # %% ../nbs/21_ops.ipynb #7dc203a5
 _lib = torch.library.Library('clfast', 'DEF')
@@ -81,9 +81,7 @@ def _triton():
 
 register_kernels(_lib, 'CompositeExplicitAutograd', lambda: REFERENCE)
 register_kernels(_lib, 'CUDA', _triton)
-# the Triton kernel ops called as `torch.ops.clfast`'s are, without the dispatcher's round trip from Python through C++
-# back to Python (its argument conversions cost a layer step's host ~10-20 us a call): see `_direct`
-TRITON = SimpleNamespace(**{name: _kernel(name, _triton) for name in _GEOMETRY_AT})
+
 
 # %% ../nbs/21_ops.ipynb #560c9449
 class _Fake:
@@ -151,10 +149,11 @@ def kernels_from(name:str, key:str='CPU'):
         _SERVED[key].pop()
 
 def _direct(x:Tensor) -> bool:
-    """Whether the layer op on `x` may call the Triton kernels as Python functions (`TRITON`), not through the
-    dispatcher: they are what serves `x`'s device (CUDA; or the CPU served by them, the host-cost proxy), and nothing
+    """Whether the layer op on `x` may call the Triton kernels as Python functions, not through the dispatcher (from
+    Python through C++ back to Python: its argument conversions cost a layer step's host ~10-20 us a call): they are
+    what serves `x`'s device (CUDA; or the CPU or `meta` served by them: the host-cost proxy, the dry runs), and nothing
     traces the call (torch.compile, a dispatch or function mode: those need the ops, whose fakes they see)"""
-    served = _SERVED.get('CPU') if x.is_cpu else None
+    served = _SERVED.get('CPU' if x.is_cpu else 'Meta' if x.is_meta else '')
     if not (x.is_cuda or (served and served[-1] == 'triton')): return False
     return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
                 or torch._C._is_torch_function_mode_enabled())
@@ -230,13 +229,14 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
 # %% ../nbs/21_ops.ipynb #b7c1e0a2
 class _LayerStep(torch.autograd.Function):
     """`clfast::conv_bn_act`'s autograd node in Python: `csrc/layer_op.cpp`'s `ConvBnAct` line for line (the same kernel
-    ops, the same saved tensors; outputs, gradients and running statistics bit for bit), for
-    where the C++ library is not loaded, such as a GPU machine without a C++ toolchain. Wherever the library loads its
-    node runs: this one cost 66 us more host time per layer step (CPU kernels, 8 channels, Zen 5: 252 against 186 us)"""
+    ops, the same saved tensors; outputs, gradients and running statistics bit for bit). It runs where the C++ library
+    is not loaded (a GPU machine without a C++ toolchain; on CPU kernels it cost 66 us more host time per layer step
+    than the C++ node, 8 channels, Zen 5: 252 against 186 us), and wherever the Triton kernels serve the layer untraced
+    (`direct`, CUDA): it calls them as functions, with no dispatcher between (`_direct`), and hands the statistics pass
+    the running statistics to update (`running`), one launch fewer than the ops' separate `update_running`"""
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom:ConvGeometry, eps, act, act_param,
-                keep_y, training, group, direct:bool=False):
-        kernels = TRITON if direct else torch.ops.clfast
+                keep_y, training, group, direct:bool=False, running:tuple|None=None):
         if training and group:   # this rank's conv, its statistics joined with the other ranks', then the layer
             y_here = x if weight is None else _conv(x, weight, bias, geom).contiguous(memory_format=torch.channels_last)
             mean_all, var_all, count = torch.ops.clfast.synced_stats(y_here, group)
@@ -244,15 +244,18 @@ class _LayerStep(torch.autograd.Function):
                                                         *geom, eps, act, act_param, keep_y, y_here)
             # row 4, the variance the running average takes, unbiased with every rank's count (backward reads rows 0-3)
             params[4].mul_(count / (count - 1).clamp_min(1))
+        elif direct:
+            out, y, params = _triton().layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act,
+                                                 act_param, keep_y, None, running)
         else:
-            out, y, params = kernels.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *geom,
-                                               eps, act, act_param, keep_y, None)
+            out, y, params = torch.ops.clfast.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *geom,
+                                                        eps, act, act_param, keep_y, None)
         a = _act_of(act)
         has_act, has_res = a.name != 'none', residual is not None
         from_out = has_res and has_act and a.grad_from_out(act_param)
         ctx.save_for_backward(x, weight, bias, y, params, residual if has_res and has_act and not from_out else None,
                               out if from_out else None)
-        ctx.geom, ctx.training, ctx.act, ctx.act_param, ctx.group, ctx.kernels = geom, training, act, act_param, group, kernels
+        ctx.geom, ctx.training, ctx.act, ctx.act_param, ctx.group, ctx.direct = geom, training, act, act_param, group, direct
         ctx.bn_dtypes = tuple(None if t is None else t.dtype for t in (bn_weight, bn_bias))
         ctx.mark_non_differentiable(y, params)
         ctx.set_materialize_grads(False)
@@ -263,14 +266,17 @@ class _LayerStep(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("clfast's fused conv-BN has no double backward (create_graph=True): unfuse the model "
                                "(clfast.fuse.unfuse_conv_bn) for higher-order gradients")
-        if dout is None: return (None,) * 16
+        if dout is None: return (None,) * 17
         x, weight, bias, y, params, residual, out = ctx.saved_tensors
         if out is None: out = x.new_empty(0)
         needs = list(ctx.needs_input_grad[:6])
         res_through_act = needs[5] and _act_of(ctx.act).name != 'none'
         dout = dout.to(x.dtype)
-        bwd = lambda y, needs, means: ctx.kernels.layer_bwd(dout, x, weight, bias, y, params, residual, out, *ctx.geom,
-                                                            ctx.training, ctx.act, ctx.act_param, needs, means)
+        def bwd(y, needs, means):
+            if ctx.direct: return _as_inputs(_triton().layer_bwd(dout, x, weight, bias, y, params, residual, out, ctx.geom,
+                                                                 ctx.training, ctx.act, ctx.act_param, needs, means), x, weight)
+            return torch.ops.clfast.layer_bwd(dout, x, weight, bias, y, params, residual, out, *ctx.geom, ctx.training,
+                                              ctx.act, ctx.act_param, needs, means)
         if ctx.training and ctx.group:   # this rank's two per-channel sums, summed over the ranks, then dy from their means
             if y.numel() == 0: y = _conv(x, weight, bias, ctx.geom).contiguous(memory_format=torch.channels_last)
             _, _, _, sum_dzx, sum_dz, _ = bwd(y, [False, False, False, True, True, False], None)
@@ -281,7 +287,7 @@ class _LayerStep(torch.autograd.Function):
         if needs[5] and not res_through_act: dres = dout   # no activation: dresidual is dout
         grads = [g if need and g is not None and g.numel() else None for need, g in zip(needs, (dx, dw, db, dbw, dbb, dres))]
         grads[3:5] = [None if g is None else g.to(dt) for g, dt in zip(grads[3:5], ctx.bn_dtypes)]
-        return (*grads, *([None] * 10))
+        return (*grads, *([None] * 11))
 
 def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked,
                  training:bool, momentum, eps:float, stride, padding, dilation, groups:int, act:int, act_param:float,
@@ -293,21 +299,28 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
         mean, var = running_mean.detach().clone(), running_var.detach().clone()
     geom = ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups)
     synced = group if batch_stats else ''
+    update = training and (running_mean is not None or num_batches_tracked is not None)
+    # the Triton kernels called directly update the running statistics in the statistics pass, by a momentum
+    fold = update and direct and not synced and momentum is not None
     out, _, params = _LayerStep.apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act, act_param,
-                                      keep_y and weight is not None, batch_stats, synced, direct)
-    if training and (running_mean is not None or num_batches_tracked is not None):
+                                      keep_y and weight is not None, batch_stats, synced, direct,
+                                      (running_mean, running_var, num_batches_tracked, momentum) if fold else None)
+    if update and not fold:
         # the variance's count for Bessel's correction; 1 (none) where the synchronized step applied every rank's
         count = 1 if synced else out.numel() // out.shape[1]
-        (TRITON if direct else torch.ops.clfast).update_running(running_mean, running_var, num_batches_tracked, params,
-                                                                momentum, count)
+        (_triton() if direct else torch.ops.clfast).update_running(running_mean, running_var, num_batches_tracked, params,
+                                                                   momentum, count)
     return out
 
+_DIRECT = functools.partial(_conv_bn_act, direct=True)
+
 def _layer_op(x:Tensor) -> Callable:
-    """The layer op for `x`: the C++ library's where it loaded (its autograd node is the cheapest for the host); else the
-    Python twin, calling the Triton kernels as functions where they serve `x` untraced (`_direct`: on the host-cost
-    proxy 305 against 315 us a layer step through the kernel ops, the C++ op's 290; Zen 5), else through the kernel ops"""
+    """The layer op for `x`: where the Triton kernels serve `x` untraced (`_direct`: CUDA), the Python twin calling them
+    as functions (no dispatcher's round trips, one launch fewer); else the C++ library's where it loaded (its autograd
+    node is the cheapest for the host over the C++ kernels), else the twin through the kernel ops"""
+    if _direct(x): return _DIRECT
     if _loaded.get('cpu', 'not loaded') is None: return torch.ops.clfast.conv_bn_act
-    return functools.partial(_conv_bn_act, direct=True) if _direct(x) else _conv_bn_act
+    return _conv_bn_act
 
 # %% ../nbs/21_ops.ipynb #7ddcb450
 def _out_size(x:Tensor, weight:Optional[Tensor], geom:ConvGeometry) -> list[int]:

@@ -54,11 +54,29 @@ def _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W: 
     tl.store(prm_ptr + 3 * C + cols, shift, mask=cmask)
 
 @triton.jit
-def _stats(x_ptr, ps_ptr, pq_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, mean_ptr, var_ptr, prm_ptr, M, Cq, rows_per, P,
-           PARAMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+def _lerp(start, end, w):
+    "ATen's `lerp`: `start + w * (end - start)`, from the nearer end"
+    return tl.where(tl.abs(w) < 0.5, start + w * (end - start), end - (end - start) * (1 - w))
+
+@triton.jit
+def _update_running(mean, var, cols, cmask, rm_ptr, rv_ptr, w, correction):
+    """The running mean and variance at `cols` `lerp`ed by `w` towards the batch's `mean` and `var` (the biased
+    variance, times Bessel's `correction`), in the running statistics' dtype"""
+    rdt = rm_ptr.dtype.element_ty
+    rm = tl.load(rm_ptr + cols, mask=cmask, other=0)
+    rv = tl.load(rv_ptr + cols, mask=cmask, other=0)
+    tl.store(rm_ptr + cols, _lerp(rm, mean.to(rdt), w), mask=cmask)
+    tl.store(rv_ptr + cols, _lerp(rv, (var * correction).to(rdt), w), mask=cmask)
+
+@triton.jit
+def _stats(x_ptr, ps_ptr, pq_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, mean_ptr, var_ptr, prm_ptr, rm_ptr, rv_ptr, nbt_ptr,
+           kr_ptr, M, Cq, rows_per, P, PARAMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+           RUNNING: tl.constexpr, NBT: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, C_ALIGN: tl.constexpr):
     """Per-channel mean and biased variance of the `[M, C]` rows (with `PARAMS`, `params`' five rows too), one launch:
-    each program sums `x - shift` and `(x - shift)^2` over one slab of rows, `UNROLL` tiles of rows a step"""
+    each program sums `x - shift` and `(x - shift)^2` over one slab of rows, `UNROLL` tiles of rows a step. With
+    `RUNNING` (`NBT`) it also does `_running`'s work for a momentum (`kr`: momentum, Bessel's correction), one launch
+    fewer: the running statistics of its channels (the count, once)"""
     C = Cq * C_ALIGN
     pid_m, pid_c = tl.program_id(0), tl.program_id(1)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -88,6 +106,10 @@ def _stats(x_ptr, ps_ptr, pq_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, mean_ptr, var_p
         tl.store(mean_ptr + cols, mean, mask=cmask)
         tl.store(var_ptr + cols, var, mask=cmask)
         if PARAMS: _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W, HAS_B)
+        if RUNNING: _update_running(mean, var, cols, cmask, rm_ptr, rv_ptr, tl.load(kr_ptr).to(rm_ptr.dtype.element_ty),
+                                    tl.load(kr_ptr + 1).to(eps.dtype))
+        if NBT:
+            if pid_c == 0: tl.store(nbt_ptr, tl.load(nbt_ptr) + 1)
 
 # %% ../nbs/20_triton_kernels.ipynb #becb01eb
 @triton.jit
@@ -164,11 +186,6 @@ def _params(mean_ptr, var_ptr, w_ptr, b_ptr, k_ptr, prm_ptr, C,
     _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W, HAS_B)
 
 @triton.jit
-def _lerp(start, end, w):
-    "ATen's `lerp`: `start + w * (end - start)`, from the nearer end"
-    return tl.where(tl.abs(w) < 0.5, start + w * (end - start), end - (end - start) * (1 - w))
-
-@triton.jit
 def _running(prm_ptr, rm_ptr, rv_ptr, nbt_ptr, k_ptr, C, HAS_STATS: tl.constexpr, HAS_NBT: tl.constexpr,
              CUMULATIVE: tl.constexpr, BLOCK_C: tl.constexpr):
     """`num_batches_tracked + 1`, then the running mean and variance `lerp`ed towards the batch's (its variance times
@@ -186,12 +203,8 @@ def _running(prm_ptr, rm_ptr, rv_ptr, nbt_ptr, k_ptr, C, HAS_STATS: tl.constexpr
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
             cmask = cols < C
-            mean = tl.load(prm_ptr + cols, mask=cmask, other=0).to(rdt)
-            var = (tl.load(prm_ptr + 4 * C + cols, mask=cmask, other=0) * correction).to(rdt)
-            rm = tl.load(rm_ptr + cols, mask=cmask, other=0)
-            rv = tl.load(rv_ptr + cols, mask=cmask, other=0)
-            tl.store(rm_ptr + cols, _lerp(rm, mean, w), mask=cmask)
-            tl.store(rv_ptr + cols, _lerp(rv, var, w), mask=cmask)
+            _update_running(tl.load(prm_ptr + cols, mask=cmask, other=0), tl.load(prm_ptr + 4 * C + cols, mask=cmask, other=0),
+                            cols, cmask, rm_ptr, rv_ptr, w, correction)
 
 # %% ../nbs/20_triton_kernels.ipynb #f4252669
 @triton.jit
@@ -364,8 +377,10 @@ def _locks(device:torch.device, n:int) -> Tensor:
 
 # %% ../nbs/20_triton_kernels.ipynb #31893cc8
 def _stats_into(x:Tensor, mean:Tensor, var:Tensor, k:Tensor, params:Tensor|None=None, weight:Tensor|None=None,
-                bias:Tensor|None=None):
-    "Launch `_stats` on the `[M, C]` rows `x`: mean and biased variance into `mean`, `var`, and `params` when given"
+                bias:Tensor|None=None, running:tuple|None=None):
+    """Launch `_stats` on the `[M, C]` rows `x`: mean and biased variance into `mean`, `var`, and `params` when given;
+    with `running`, `(running_mean, running_var, num_batches_tracked, momentum)`, `update_running`'s work in the same
+    launch (a momentum only: `None`'s cumulative average reads the count every channel waits for)"""
     m, c = x.shape
     if m == 0: raise ValueError("stats needs at least one value per channel")
     (bm, bc), un = _reduce_blocks(c), _STATS_UNROLL
@@ -373,11 +388,17 @@ def _stats_into(x:Tensor, mean:Tensor, var:Tensor, k:Tensor, params:Tensor|None=
     n_c = _cdiv(c, bc)
     ps, pq = x.new_empty((p, c), dtype=mean.dtype), x.new_empty((p, c), dtype=mean.dtype)
     prm = mean if params is None else params
+    rm, rv, nbt, momentum = running or (None, None, None, None)
+    has_stats = rm is not None and rv is not None
+    if running is not None and momentum is None: raise ValueError("the statistics pass updates running statistics by a momentum only")
+    kr = _running_consts(momentum, m, x.device) if has_stats else k
     with _on(x):
         _launch(_stats, (p, n_c), x, ps, pq, _locks(x.device, n_c), prm if weight is None else weight,
-                prm if bias is None else bias, k, mean, var, prm, m, c // _align(c), rows_per, p,
-                PARAMS=params is not None, HAS_W=weight is not None, HAS_B=bias is not None,
-                BLOCK_M=bm, BLOCK_C=bc, UNROLL=un, C_ALIGN=_align(c), num_warps=_WARPS['stats'])
+                prm if bias is None else bias, k, mean, var, prm, rm if has_stats else prm, rv if has_stats else prm,
+                prm if nbt is None else nbt, kr, m, c // _align(c), rows_per, p,
+                PARAMS=params is not None, HAS_W=weight is not None, HAS_B=bias is not None, RUNNING=has_stats,
+                NBT=nbt is not None, BLOCK_M=bm, BLOCK_C=bc, UNROLL=un, C_ALIGN=_align(c), num_warps=_WARPS['stats'])
+    _written(rm if has_stats else None, rv if has_stats else None, nbt)
 
 def stats(x:Tensor, mean:Tensor|None=None, var:Tensor|None=None) -> tuple[Tensor, Tensor]:
     "Per-channel (mean, biased var) of the `[M, C]` rows `x`, written into `mean`, `var` when given"
@@ -469,16 +490,19 @@ def _conv(x, weight, bias, geom) -> Tensor:
 # %% ../nbs/20_triton_kernels.ipynb #bf5495b6
 def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, bn_bias:Tensor|None,
               residual:Tensor|None, mean:Tensor|None, var:Tensor|None, geom, eps:float, act:int, act_param:float,
-              keep_y:bool, y:Tensor|None=None) -> tuple[Tensor, Tensor, Tensor]:
-    "`(out, y, params)` of `act(bn(conv(x)) [+ residual])`, `geom` a `clfast.reference.ConvGeometry`: see `clfast/KERNELS.md`"
+              keep_y:bool, y:Tensor|None=None, running:tuple|None=None) -> tuple[Tensor, Tensor, Tensor]:
+    """`(out, y, params)` of `act(bn(conv(x)) [+ residual])`, `geom` a `clfast.reference.ConvGeometry`: see
+    `clfast/KERNELS.md`. `running`: `update_running`'s work (`(running_mean, running_var, num_batches_tracked,
+    momentum)`, for batch statistics) in the statistics pass, which the kernel op leaves to a launch of its own"""
     y = _conv(x, weight, bias, geom) if y is None or y.numel() == 0 else _cl(y)
     yr, c, acc = _rows(y), y.shape[1], _acc(x)
     if (mean is None) != (var is None): raise ValueError("give both mean and var, or neither")
+    if running is not None and mean is not None: raise ValueError("running statistics are updated from batch statistics only")
     prm = torch.empty((5, c), dtype=acc, device=y.device)
     k = _consts(float(act_param), float(eps), acc, y.device)
     w = None if bn_weight is None else bn_weight.contiguous()
     b = None if bn_bias is None else bn_bias.contiguous()
-    if mean is None: _stats_into(yr, prm[0], prm[4], k, prm, w, b)
+    if mean is None: _stats_into(yr, prm[0], prm[4], k, prm, w, b, running)
     else:
         bc = _blocks(c)[1]
         with _on(y):
@@ -499,13 +523,21 @@ def update_running(running_mean:Tensor|None, running_var:Tensor|None, num_batche
     has_stats = running_mean is not None and running_var is not None
     if not has_stats and num_batches_tracked is None: return
     c = params.shape[1]
-    k = _consts(0. if momentum is None else float(momentum), count / max(count - 1, 1), torch.float64, params.device)
+    k = _running_consts(momentum, count, params.device)
     with _on(params):
         _launch(_running, (1,), params, running_mean if has_stats else params, running_var if has_stats else params,
                 params if num_batches_tracked is None else num_batches_tracked, k, c, HAS_STATS=has_stats,
                 HAS_NBT=num_batches_tracked is not None, CUMULATIVE=momentum is None and num_batches_tracked is not None,
                 BLOCK_C=max(16, min(1024, _pow2(c))))
-    for t in (running_mean, running_var, num_batches_tracked):   # written through pointers: autograd must see it
+    _written(running_mean, running_var, num_batches_tracked)
+
+def _running_consts(momentum:float|None, count:int, device:torch.device) -> Tensor:
+    "`[momentum, Bessel's correction for count values]` in float64, the running update's scalars"
+    return _consts(0. if momentum is None else float(momentum), count / max(count - 1, 1), torch.float64, device)
+
+def _written(*ts:Tensor|None):
+    "Tensors a kernel wrote through pointers: autograd must see it"
+    for t in ts:
         if t is not None: torch.autograd.graph.increment_version(t)
 
 # %% ../nbs/20_triton_kernels.ipynb #4336843b

@@ -19,13 +19,14 @@ pytestmark = pytest.mark.usefixtures('fused_way')   # the Triton path of clfast'
 def test_cpu_kernels_are_tritons():
     "The CPU's kernel ops run the Triton kernels (CLFAST_KERNELS=triton), and the layer really reaches them"
     assert ops.kernels_ready()
-    # the layer op: the C++ library's, or (an install without it, no compiler: test_ops.py) its Python twin calling the
-    # Triton kernels as functions
+    # the layer op: its Python twin calling the Triton kernels as functions, as on CUDA, whether the C++ library loaded
+    # or not (an install without it, no compiler: test_ops.py)
     op = ops._layer_op(torch.empty(1))
+    assert op.func is ops._conv_bn_act and op.keywords == {'direct': True}
     if os.environ.get('CLFAST_TEST_LAYER_OP') == 'none':
-        assert op.func is ops._conv_bn_act and op.keywords == {'direct': True} and 'no C++ compiler' in ops._loaded['cpu']
+        assert 'no C++ compiler' in ops._loaded['cpu']
         assert not list(Path(ops.__file__).parent.glob('*.so'))   # the copy, with no library
-    else: assert op is torch.ops.clfast.conv_bn_act
+    else: assert ops._loaded['cpu'] is None
     cpu = next(l for l in torch._C._dispatch_dump('clfast::layer_fwd').splitlines() if l.startswith('CPU:'))
     assert 'clfast/ops.py' in cpu, cpu
     calls = []
@@ -103,6 +104,33 @@ def test_launches_are_the_traffic_models(act, res, mode):
     assert [(l.phase, l.name, l.flags) for l in fwd + bwd] == [(l.phase, l.name, l.flags) for l in dry]
     streams = [l.name for l in fwd + bwd if l.name in ('_stats', '_fwd', '_bwd_sums', '_bwd_dx')]
     assert streams == ['_stats', '_fwd', '_bwd_sums', '_bwd_dx']   # 2 passes forward, 2 backward
+
+@pytest.mark.parametrize('momentum', [0.1, None])
+@pytest.mark.parametrize('stats,nbt', [(True, True), (True, False), (False, True)])
+def test_direct_step_is_the_ops(momentum, stats, nbt):
+    """CUDA's eager layer step (the Triton kernels called as functions, the running statistics updated in the statistics
+    pass) gives the kernel ops' step (what torch.compile traces: `update_running` a launch of its own) bit for bit:
+    output, every gradient, running statistics and count; a launch fewer, except for a cumulative average (momentum None)"""
+    from clfast import gpu_report
+    def step(op):
+        g = torch.Generator().manual_seed(2)
+        rand = lambda *s: torch.randn(*s, generator=g)
+        x = rand(3, 4, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+        w, bw, bb = rand(5, 4, 3, 3).requires_grad_(), rand(5).requires_grad_(), rand(5).requires_grad_()
+        r = rand(3, 5, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+        rm, rv = (rand(5), rand(5).abs() + .5) if stats else (None, None)
+        count = torch.tensor(3) if nbt else None
+        with gpu_report.recording() as launches:
+            out = op(x, w, None, bw, bb, r, rm, rv, count, True, momentum, 1e-5, [1, 1], [1, 1], [1, 1], 1,
+                     ACTS['relu'].code, 0., True, '')
+            out.backward(rand(*out.shape))
+        return [out, x.grad, w.grad, bw.grad, bb.grad, r.grad, rm, rv, count], [l.name for l in launches]
+    (want, ops_launches), (got, direct_launches) = step(ops._conv_bn_act), step(ops._DIRECT)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert (a is None) == (b is None), i
+        if a is not None: assert a.stride() == b.stride() and torch.equal(a, b), i
+    assert ops_launches == ['_stats', '_fwd', '_running', '_bwd_sums', '_bwd_dx']
+    assert direct_launches == (ops_launches if momentum is None else ['_stats', '_fwd', '_bwd_sums', '_bwd_dx'])
 
 @pytest.mark.parametrize('act', ['none', 'silu'])
 def test_layer_without_conv(act):

@@ -32,9 +32,10 @@ def test_every_specialization_compiles(report):
     assert not report['errors'], '\n'.join(f"{w}: {e}" for w, e in report['errors'][:10])
     assert {80, 90} <= set(report['archs'])
     for cc in report['archs']:
-        # the models' training steps (all an arch outside FULL_ARCHS compiles) normalize with batch statistics only:
-        # `_params`, for given statistics, comes from the options' eval steps
-        want = set(gr.KERNEL_ORDER) - (set() if cc in gr.FULL_ARCHS else {'_params'})
+        # the models' training steps (all an arch outside FULL_ARCHS compiles) normalize with batch statistics only
+        # and update their running statistics by a momentum, in the statistics pass: `_params`, for given
+        # statistics, comes from the options' eval steps, `_running` from a cumulative average and the traced step
+        want = set(gr.KERNEL_ORDER) - (set() if cc in gr.FULL_ARCHS else {'_params', '_running'})
         assert {r['kernel'] for r in _rows(report, cc)} == want, cc
     # the plan reaches every dtype, activation code (0 is left out of `describe`: it is off) and residual
     fwd = [r['spec'].split() for r in _rows(report, 90) if r['kernel'] == '_fwd']

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The one GPU script (BENCHMARKS.md, "The first GPU run"), inside one device call of 10 minutes: the C++ library build
-# (the fused op's autograd node uses it on CUDA too; a user's first fused step builds it the same way), the CUDA tests
-# (the Triton kernels and CUDA graphs against fp64, the offline compile report against the GPU's own JIT; each failure's
-# traceback kept), then training through fastai's own `Learner.fit` (benchmarks/bench_gpu_fit.py: resnet50 and
-# efficientnet_b0, batch 256 and 64, bf16 and fp16, every setup issue 34 names, in rounds; the table last), then, if
-# time is left, the kernel benchmarks.
+# (fused modules load it when they are made, for CPU models; CUDA's eager step no longer goes through it; done first so
+# that no test pays for it), the CUDA tests (the Triton kernels and CUDA graphs against fp64, the offline compile report
+# against the GPU's own JIT; each failure's traceback kept), then training through fastai's own `Learner.fit`
+# (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64, bf16 and fp16, every setup issue 34
+# names, in rounds; the table last), then, if time is left, a fused layer step's host time against stock's
+# (`python -m clfast.host_cost --device cuda`, Triton's launches included) and the kernel benchmarks.
 #
-#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build tests fit kernels (default: all four, in that order)
+#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build tests fit host kernels (default: all, in that order)
 #
 # BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests. fastai travels as wheels in .whl/
 # (tools/gpu_wheels.sh), installed here into /tmp/site when fastai is missing. Each step is logged in OUT/ whatever the
@@ -15,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${1:-gpu_first_run}; shift || true
-STEPS=${*:-build tests fit kernels}
+STEPS=${*:-build tests fit host kernels}
 BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -42,9 +43,10 @@ for s in $STEPS; do
     build) step build 150 "$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))" ;;
     tests) step cuda-tests "$(( $(left) < TESTS_S ? $(left) : TESTS_S ))" "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short --durations=8 -m cuda \
       tests/test_graphs.py $(ls tests/test_*.py | grep -v test_graphs) ;;   # CUDA graphs' first: the open question
-    fit) step fit "$(left)" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 30 ))" ;;
+    fit) step fit "$(left)" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 75 ))" ;;   # 45 s kept for host
+    host) [ "$(left)" -gt 45 ] && step host 40 "$PY" -m clfast.host_cost --device cuda ;;
     kernels) [ "$(left)" -gt 60 ] && step kernels "$(( $(left) - 5 ))" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
-    *) echo "unknown step $s (build, tests, fit, kernels)"; failed=$((failed + 1)) ;;
+    *) echo "unknown step $s (build, tests, fit, host, kernels)"; failed=$((failed + 1)) ;;
   esac
 done
 echo "== $failed step(s) failed in ${SECONDS}s; logs in $OUT/"

@@ -134,13 +134,26 @@ def _median_us(step, n:int=50) -> float:
         t = time.perf_counter(); step(); ts.append(time.perf_counter() - t)
     return statistics.median(ts) * 1e6
 
-def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', channels:int=64, n:int=50) -> dict:
-    """A CPU proxy of the host time of one layer step, in us (median of `n`), both ways on CPU tensors of 2 values a
-    channel, so that the kernels' work is next to nothing and the convs cost the same: the fused step through the CUDA
+def _issued(step, k:int):
+    "`k` steps issued back to back, then the GPU synchronized: host-bound where a step's GPU work is tiny"
+    def run():
+        for _ in range(k): step()
+        torch.cuda.synchronize()
+    return run
+
+def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', channels:int=64, n:int=50,
+               device:str='cpu', k:int=20) -> dict:
+    """The host time of one layer step, in us (median of `n`), both ways on tensors of 2 values a channel, so that the
+    kernels' work is next to nothing and the convs cost the same. On 'cpu' a proxy: the fused step through the CUDA
     path's Python (the Triton kernel set serving the CPU, each launch stubbed: Triton's own launcher, 14-21 us a launch
-    on an H100, needs a GPU) and the stock step"""
-    ops.kernels_ready()
+    on an H100, needs a GPU) and the stock step. On 'cuda' the real thing, Triton's launches included: `k` steps issued
+    back to back between synchronizations (the GPU's work is far shorter than the host's), per step"""
     shape = (2, channels, 1, 1)
+    if device == 'cuda':
+        time_of = lambda step: _median_us(_issued(step, k), n) / k
+        return dict(fused=time_of(fused_step(dtype, act, residual, mode, shape, device='cuda')),
+                    stock=time_of(stock_step(dtype, act, residual, shape, device='cuda')))
+    ops.kernels_ready()
     with ops.kernels_from('triton', 'CPU'), triton_names():
         fused = _median_us(fused_step(dtype, act, residual, mode, shape, device='cpu'), n)
     stock = _median_us(stock_step(dtype, act, residual, shape, device='cpu'), n)
@@ -148,12 +161,13 @@ def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', ch
 
 CASES = [(torch.float32, 'relu', False), (torch.float32, 'relu', True), (torch.bfloat16, 'relu', False), (torch.bfloat16, 'silu', True)]
 
-def host_cost_table(cases=CASES, mode:str='speed') -> str:
-    "A markdown table: per layer step, the kernels launched (fused: Triton + ATen; stock) and the host-time proxy"
-    rows = ["| layer step | fused launches (Triton + ATen) | stock launches | fused host us | stock host us | ratio |",
+def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu') -> str:
+    "A markdown table: per layer step, the kernels launched (fused: Triton + ATen; stock) and the host time (`host_times` on `device`)"
+    where = 'CPU proxy' if device == 'cpu' else device
+    rows = [f"| layer step | fused launches (Triton + ATen) | stock launches | fused host us ({where}) | stock host us | ratio |",
             "|---|---|---|---|---|---|"]
     for dt, act, res in cases:
-        l, t = launches(dt, act, res, mode), host_times(dt, act, res, mode)
+        l, t = launches(dt, act, res, mode), host_times(dt, act, res, mode, device=device)
         kind = f"conv-BN{'-add' if res else ''}-{act}, {str(dt)[6:]}"
         aten = f" + {len(l['aten'])}: {', '.join(l['aten'])}" if l['aten'] else ''
         rows.append(f"| {kind} | {len(l['triton']) + len(l['aten'])} ({len(l['triton'])} Triton{aten}) | "
@@ -163,9 +177,11 @@ def host_cost_table(cases=CASES, mode:str='speed') -> str:
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a011
 def main(argv=None):
-    "`python -m clfast.host_cost`: print the table of launches and host time per layer step"
-    argparse.ArgumentParser(prog='python -m clfast.host_cost', description=__doc__).parse_args(argv)
-    print(host_cost_table())
+    "`python -m clfast.host_cost [--device cuda]`: print the table of launches and host time per layer step"
+    p = argparse.ArgumentParser(prog='python -m clfast.host_cost', description=__doc__)
+    p.add_argument('--device', choices=('cpu', 'cuda'), default='cpu',
+                   help="cpu: the proxy (launches stubbed); cuda: the GPU's host time, launches included")
+    print(host_cost_table(device=p.parse_args(argv).device))
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a012
 #| eval: false

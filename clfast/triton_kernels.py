@@ -347,9 +347,11 @@ def _slabs(m:int, c:int, bm:int, bc:int, target:int=1024):
 
 def _acc(x:Tensor): return acc_dtype(x.dtype)   # the one rule, clfast.reference's
 
+_HERE = contextlib.nullcontext()
+
 def _on(x:Tensor):
-    "Launch on `x`'s GPU (Triton launches on the current device)"
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+    "Launch on `x`'s GPU (Triton launches on the current device): a device switch (~2 us of host time) only to another"
+    return torch.cuda.device(x.device) if x.is_cuda and x.get_device() != torch.cuda.current_device() else _HERE
 
 _launch_hook = None   # None, or f(kernel, grid, args, meta) that every launch below is handed to instead (clfast.gpu_report)
 

@@ -26,3 +26,21 @@ def test_a_fused_step_launches_no_more_kernels_than_stock(dtype, act, residual, 
     "The goal of fusing: no more launches than stock cuDNN BN + act (+ add), per layer step, forward and backward"
     l = host_cost.launches(dtype, act, residual, mode)
     assert len(l['triton']) + len(l['aten']) <= len(l['stock']), l
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('momentum,want', [(0.1, ['_stats', '_fwd', '_bwd_sums', '_bwd_dx']),
+                                           (None, ['_stats', '_fwd', '_running', '_bwd_sums', '_bwd_dx'])])
+def test_a_gpu_step_launches_what_the_meta_count_says(momentum, want):
+    "On CUDA, launched for real: the step's Triton kernels are those `launches` counts on shape-only tensors (a momentum: four)"
+    from clfast import gpu_report, ops
+    from clfast.reference import ConvGeometry
+    mk = lambda *s, **kw: torch.randn(*s, device='cuda', **kw)
+    x = mk(2, 64, 5, 5, dtype=torch.bfloat16).to(memory_format=torch.channels_last).requires_grad_()
+    w = mk(64, 64, 3, 3, dtype=torch.bfloat16).to(memory_format=torch.channels_last).requires_grad_()
+    bw, bb, rm, rv = mk(64).requires_grad_(), mk(64).requires_grad_(), mk(64), mk(64).abs()
+    nbt = torch.zeros((), dtype=torch.long, device='cuda')
+    with gpu_report.recording() as launched:
+        out = ops.fused_conv_bn(x, w, None, bw, bb, rm, rv, nbt, True, momentum, 1e-5, ConvGeometry(padding=(1, 1)), act='relu')
+        out.float().sum().backward()
+    assert [l.name for l in launched] == want and nbt.item() == 1
+    if momentum is not None: assert want == host_cost.launches(torch.bfloat16, 'relu')['triton']   # (counted with one)

@@ -9,7 +9,6 @@ import torch
 from torch import nn
 from torch.amp import GradScaler
 from fastcore.basics import *
-from fastcore.meta import delegates
 from fastai.learner import Learner
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import AMPMode

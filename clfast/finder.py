@@ -4,8 +4,8 @@
 
 # %% ../nbs/30_finder.ipynb #c6568905
 from __future__ import annotations
-import argparse, contextlib, copy, math, random, statistics, time, warnings, weakref
-from dataclasses import dataclass, field
+import argparse, contextlib, copy, math, random, statistics, time, weakref
+from dataclasses import dataclass
 import numpy as np, pandas as pd
 import torch
 from torch import nn, Tensor

@@ -5,7 +5,7 @@
 # %% ../nbs/23_fused.ipynb #19ec5d01
 from __future__ import annotations
 import copy, functools, warnings
-import torch, torch.distributed as dist, torch.nn.functional as F
+import torch
 from torch import nn, Tensor
 from .act import ACTS, get_act, act_of
 from .ops import fused_conv_bn, kernels_ready, kernels_served, autocast_cast, autocast_dtype, no_autocast

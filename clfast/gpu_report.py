@@ -4,7 +4,7 @@
 
 # %% ../nbs/27_gpu_report.ipynb #d1f888f9
 from __future__ import annotations
-import argparse, contextlib, functools, itertools, json, math, os, re, subprocess, sys, tempfile
+import argparse, contextlib, functools, itertools, json, math, re, subprocess, sys, tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 import torch

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib, math, os, statistics, threading, time, warnings
 from dataclasses import dataclass, asdict
 from typing import Callable
-import torch
 from .machine import MachineCache, machine_key, cache_dir
 try: import fcntl   # POSIX; elsewhere processes are not kept apart (said in `measuring`)
 except ImportError: fcntl = None

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/24f_fuse_pointwise.ipynb #4962c99c
 from __future__ import annotations
-import torch, torch.nn.functional as F
+import torch
 from torch import nn, Tensor
 from ..routes import GuardedConv2d, is_pointwise, takes_pointwise_product, pointwise_product
 from ..fused import _FusedMixin

@@ -132,7 +132,9 @@ class Group:
             self.notes[setup] = sorted({str(w.message).split(';')[0][:120] for w in said
                                         if 'clfast' in type(w.message).__module__ or 'CudaGraphs' in str(w.message)})
         graphs = getattr(learn, 'cuda_graphs', None)
-        if graphs is not None and not self.notes[setup]: self.notes[setup] = [f"{graphs.captured} shape(s) replayed"]
+        if graphs is not None and not self.notes[setup]:
+            retried = f", captured at a second try (the first: {graphs.retried[0][:100]})" if graphs.retried else ''
+            self.notes[setup] = [f"{graphs.captured} shape(s) replayed{retried}"]
         return self.args.steps * self.key[1] / (clock.t1 - clock.t0)
 
     def run(self, log):

@@ -151,6 +151,10 @@ class GraphedForward:
         self.model, self.forward = model, model.forward
         self.warm, self.max_graphs, self.say = warm, max_graphs, say or (lambda why: None)
         self.graphs, self.seen, self.why = {}, {}, not_graphable(model)
+        # a signature's first capture that failed: tried once more at its next step (a process's first capture failed
+        # where later ones succeeded, on an H100); `retried`: the first failures a second capture got past
+        self.failed: dict[tuple, str] = {}
+        self.retried: list[str] = []
 
     def __call__(self, *args, **kwargs):
         if self.why is not None or kwargs or not self.model.training or not torch.is_grad_enabled():
@@ -165,8 +169,11 @@ class GraphedForward:
             if n <= self.warm or len(self.graphs) >= self.max_graphs: return self.forward(*args)
             try: graph = self.graphs[key] = _Graph(self.model, self.forward, args)
             except Exception as e:
-                self.stop(f"its step could not be captured ({_first_error(e)})")
+                why, first = _first_error(e), self.failed.pop(key, None)
+                if first is None: self.failed[key] = why   # this step eagerly, the capture again at the next
+                else: self.stop(f"its step could not be captured ({first}{'' if why == first else f'; then {why}'})")
                 return self.forward(*args)
+            if key in self.failed: self.retried.append(self.failed.pop(key))
         return graph.replay(args)
 
     def stop(self, why:str):
@@ -183,7 +190,8 @@ class CudaGraphs(Callback):
         max_graphs:int=1, # Batch shapes captured per fit; others train eagerly
     ):
         store_attr()
-        self.said, self.last_captured = set(), 0   # last_captured: the batch shapes the last fit replayed
+        # the last fit's: the batch shapes it replayed, the first capture failures a second capture got past
+        self.said, self.last_captured, self.last_retried = set(), 0, []
 
     def _say(self, why:str):
         if why in self.said: return
@@ -192,7 +200,7 @@ class CudaGraphs(Callback):
 
     def before_fit(self):
         self._remove()
-        self.last_captured = 0
+        self.last_captured, self.last_retried = 0, []
         dev = next(self.model.parameters(), torch.empty(0)).device
         if dev.type != 'cuda': return self._say(f"CUDA graphs need a model on a CUDA GPU, and this one is on {dev}")
         self.graphed = GraphedForward(self.model, self.warm, self.max_graphs, self._say)
@@ -206,7 +214,7 @@ class CudaGraphs(Callback):
         "The model's own forward back, the graphs' memory freed"
         graphed = self.__dict__.pop('graphed', None)
         if graphed is None: return
-        self.last_captured = len(graphed.graphs)
+        self.last_captured, self.last_retried = len(graphed.graphs), list(graphed.retried)
         if graphed.model.__dict__.get('forward') is graphed: del graphed.model.forward
 
     @property
@@ -214,3 +222,9 @@ class CudaGraphs(Callback):
         "How many batch shapes this fit replays from graphs (after a fit: the last fit's)"
         graphed = self.__dict__.get('graphed')
         return self.last_captured if graphed is None else len(graphed.graphs)
+
+    @property
+    def retried(self) -> list[str]:
+        "Why captures failed that a second try got past, this fit (after a fit: the last fit's)"
+        graphed = self.__dict__.get('graphed')
+        return self.__dict__.get('last_retried', []) if graphed is None else list(graphed.retried)   # (pickled by an older clfast: none)

@@ -230,3 +230,27 @@ def test_failed_capture_trains_eagerly_and_keeps_the_generator():
     assert all(math.isfinite(l) for l in learn.recorder.losses)
     assert learn.model[2][1].num_batches_tracked.item() == 16    # each batch counted once, the failed capture's none
     assert torch.rand(4, device='cuda').isfinite().all()
+
+class _FailsFirstCapture(nn.Module):
+    "A host read inside its first capture only: a capture that fails once, as a process's first did on an H100"
+    def __init__(self): super().__init__(); self.captures = 0
+    def forward(self, x):
+        if torch.cuda.is_current_stream_capturing():
+            self.captures += 1
+            if self.captures == 1: x.sum().item()
+        return x
+
+@pytest.mark.cuda
+def test_a_capture_that_fails_once_is_tried_again():
+    """A failed capture trains its step eagerly and is tried again at the next step: a second capture that succeeds
+    replays from then on, says nothing, and `retried` names the first failure; every batch counted once"""
+    learn = _cuda_learner()
+    learn.model = nn.Sequential(_FailsFirstCapture(), *learn.model).cuda()
+    learn.to_channelslast(amp_mode='bf16', graphs=True)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        _fit(learn, epochs=2)
+    assert not [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+    assert learn.cuda_graphs.captured == 1 and len(learn.cuda_graphs.retried) == 1 and 'previous error' not in learn.cuda_graphs.retried[0]
+    assert learn.model[0].captures >= 2 and all(math.isfinite(l) for l in learn.recorder.losses)
+    assert learn.model[1][1].num_batches_tracked.item() == 16

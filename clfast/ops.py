@@ -82,7 +82,6 @@ def _triton():
 register_kernels(_lib, 'CompositeExplicitAutograd', lambda: REFERENCE)
 register_kernels(_lib, 'CUDA', _triton)
 
-
 # %% ../nbs/21_ops.ipynb #560c9449
 class _Fake:
     @staticmethod

@@ -9,6 +9,8 @@
 // Why C++: between a module's forward and the kernels there is no Python, in either direction. The Python autograd
 // formula this replaced cost about 110 us per layer forward + backward: more than the BatchNorm kernels at
 // efficientnet_b0's late shapes, and 2-15% of a whole resnet50/efficientnet_b0 step (BENCHMARKS.md).
+// CUDA's eager step does not come here: its kernels are Python (Triton), which this node would reach through the
+// dispatcher three times a step, so ops.py's Python twin of this node calls them directly (`_direct`).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>

@@ -151,10 +151,7 @@ class GraphedForward:
         self.model, self.forward = model, model.forward
         self.warm, self.max_graphs, self.say = warm, max_graphs, say or (lambda why: None)
         self.graphs, self.seen, self.why = {}, {}, not_graphable(model)
-        # a signature's first capture that failed: tried once more at its next step (a process's first capture failed
-        # where later ones succeeded, on an H100); `retried`: the first failures a second capture got past
-        self.failed: dict[tuple, str] = {}
-        self.retried: list[str] = []
+        self.retried: list[str] = []   # why captures failed that a second try got past (`_capture`)
 
     def __call__(self, *args, **kwargs):
         if self.why is not None or kwargs or not self.model.training or not torch.is_grad_enabled():
@@ -167,14 +164,23 @@ class GraphedForward:
         if graph is None:
             self.seen[key] = n = self.seen.get(key, 0) + 1
             if n <= self.warm or len(self.graphs) >= self.max_graphs: return self.forward(*args)
+            graph = self._capture(key, args)
+            if graph is None: return self.forward(*args)
+        return graph.replay(args)
+
+    def _capture(self, key:tuple, args:tuple) -> _Graph|None:
+        """`args`' signature captured, tried twice (on an H100 the first capture of each process failed where later ones
+        succeeded); None, graphs stopped with the first error of each try, where both fail"""
+        whys = []
+        for _ in range(2):
             try: graph = self.graphs[key] = _Graph(self.model, self.forward, args)
             except Exception as e:
-                why, first = _first_error(e), self.failed.pop(key, None)
-                if first is None: self.failed[key] = why   # this step eagerly, the capture again at the next
-                else: self.stop(f"its step could not be captured ({first}{'' if why == first else f'; then {why}'})")
-                return self.forward(*args)
-            if key in self.failed: self.retried.append(self.failed.pop(key))
-        return graph.replay(args)
+                whys.append(_first_error(e))
+                continue
+            self.retried += whys
+            return graph
+        self.stop(f"its step could not be captured ({'; then '.join(dict.fromkeys(whys))})")
+        return None
 
     def stop(self, why:str):
         "Train eagerly from now on, saying `why` once"

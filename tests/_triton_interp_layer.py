@@ -112,19 +112,11 @@ def test_direct_step_is_the_ops(momentum, stats, nbt):
     pass) gives the kernel ops' step (what torch.compile traces: `update_running` a launch of its own) bit for bit:
     output, every gradient, running statistics and count; a launch fewer, except for a cumulative average (momentum None)"""
     from clfast import gpu_report
+    from test_ops import _layer_step
     def step(op):
-        g = torch.Generator().manual_seed(2)
-        rand = lambda *s: torch.randn(*s, generator=g)
-        x = rand(3, 4, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
-        w, bw, bb = rand(5, 4, 3, 3).requires_grad_(), rand(5).requires_grad_(), rand(5).requires_grad_()
-        r = rand(3, 5, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
-        rm, rv = (rand(5), rand(5).abs() + .5) if stats else (None, None)
-        count = torch.tensor(3) if nbt else None
         with gpu_report.recording() as launches:
-            out = op(x, w, None, bw, bb, r, rm, rv, count, True, momentum, 1e-5, [1, 1], [1, 1], [1, 1], 1,
-                     ACTS['relu'].code, 0., True, '')
-            out.backward(rand(*out.shape))
-        return [out, x.grad, w.grad, bw.grad, bb.grad, r.grad, rm, rv, count], [l.name for l in launches]
+            got = _layer_step(op, torch.float32, True, True, 'relu', True, True, momentum, stats, nbt)
+        return got, [l.name for l in launches]
     (want, ops_launches), (got, direct_launches) = step(ops._conv_bn_act), step(ops._DIRECT)
     for i, (a, b) in enumerate(zip(want, got)):
         assert (a is None) == (b is None), i

@@ -256,8 +256,9 @@ def test_triton_interpreted():
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     assert ' passed' in p.stdout and 'skipped' not in p.stdout
 
-def _layer_step(op, dt, training, res, act, keep_y, conv, momentum, stats):
-    "One forward + backward of the layer op `op` on seeded inputs: the output, every gradient, the running statistics"
+def _layer_step(op, dt, training, res, act, keep_y, conv, momentum, stats, count=None):
+    """One forward + backward of the layer op `op` on seeded inputs: the output, every gradient, the running statistics
+    (`stats`) and their count (`count`; unless given, with the statistics)"""
     g = torch.Generator().manual_seed(1)
     rand = lambda *s: torch.randn(*s, generator=g).to(dt)
     c = 5 if conv else 4
@@ -266,7 +267,8 @@ def _layer_step(op, dt, training, res, act, keep_y, conv, momentum, stats):
     bw, bb = rand(c).requires_grad_(), rand(c).requires_grad_()
     r = rand(3, c, 6, 6).requires_grad_() if res else None
     acc = torch.float64 if dt == torch.float64 else torch.float32
-    rm, rv, nbt = (rand(c).to(acc), rand(c).to(acc).abs() + .5, torch.tensor(3)) if stats else (None, None, None)
+    rm, rv = (rand(c).to(acc), rand(c).to(acc).abs() + .5) if stats else (None, None)
+    nbt = torch.tensor(3) if (stats if count is None else count) else None
     out = op(x, w, None, bw, bb, r, rm, rv, nbt, training, momentum, 1e-5, [1, 1], [1, 1] if conv else [0, 0], [1, 1], 1,
              ACTS[act].code, 0.1, keep_y, '')
     out.backward(rand(*out.shape))

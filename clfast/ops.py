@@ -49,7 +49,7 @@ def _as_inputs(grads:tuple, x:Tensor, weight:Optional[Tensor]) -> tuple:
     """`layer_bwd`'s results with `dx` and `dweight` in `x`'s and `weight`'s layouts, the kernels' rule (ATen's CPU conv
     backward may return a channels-last weight gradient for a contiguous weight); the C++ kernels apply it themselves"""
     dx, dw, *rest = grads
-    fix = lambda g, t: g if t is None or g.numel() == 0 else g.contiguous(memory_format=kernel_layout(t))
+    fix = lambda g, t: g if t is None or g is None or g.numel() == 0 else g.contiguous(memory_format=kernel_layout(t))
     return (fix(dx, x), fix(dw, weight), *rest)
 
 # `kernels_from` serves a key over its own kernels on purpose: some torch versions (2.11) count a fake as a Python
@@ -267,14 +267,14 @@ class _LayerStep(torch.autograd.Function):
                                "(clfast.fuse.unfuse_conv_bn) for higher-order gradients")
         if dout is None: return (None,) * 17
         x, weight, bias, y, params, residual, out = ctx.saved_tensors
-        if out is None: out = x.new_empty(0)
         needs = list(ctx.needs_input_grad[:6])
         res_through_act = needs[5] and _act_of(ctx.act).name != 'none'
-        dout = dout.to(x.dtype)
+        if dout.dtype != x.dtype: dout = dout.to(x.dtype)
         def bwd(y, needs, means):
-            if ctx.direct: return _as_inputs(_triton().layer_bwd(dout, x, weight, bias, y, params, residual, out, ctx.geom,
+            if ctx.direct: return _as_inputs(_triton()._layer_bwd(dout, x, weight, bias, y, params, residual, out, ctx.geom,
                                                                  ctx.training, ctx.act, ctx.act_param, needs, means), x, weight)
-            return torch.ops.clfast.layer_bwd(dout, x, weight, bias, y, params, residual, out, *ctx.geom, ctx.training,
+            return torch.ops.clfast.layer_bwd(dout, x, weight, bias, y, params, residual,
+                                              x.new_empty(0) if out is None else out, *ctx.geom, ctx.training,
                                               ctx.act, ctx.act_param, needs, means)
         if ctx.training and ctx.group:   # this rank's two per-channel sums, summed over the ranks, then dy from their means
             if y.numel() == 0: y = _conv(x, weight, bias, ctx.geom).contiguous(memory_format=torch.channels_last)
@@ -285,7 +285,7 @@ class _LayerStep(torch.autograd.Function):
         else: dx, dw, db, dbw, dbb, dres = bwd(y, [*needs[:5], res_through_act], None)
         if needs[5] and not res_through_act: dres = dout   # no activation: dresidual is dout
         grads = [g if need and g is not None and g.numel() else None for need, g in zip(needs, (dx, dw, db, dbw, dbb, dres))]
-        grads[3:5] = [None if g is None else g.to(dt) for g, dt in zip(grads[3:5], ctx.bn_dtypes)]
+        grads[3:5] = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads[3:5], ctx.bn_dtypes)]
         return (*grads, *([None] * 11))
 
 def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked,

@@ -46,18 +46,23 @@ SETUPS = {   # name: (what it does, its description)
     'compile-cl':     (lambda l, d: (_stock_amp(l, d, channels_last=True), l.model.compile()), "torch.compile of stock channels-last"),
     'clfast':         (lambda l, d: l.to_channelslast(amp_mode=d), "clfast to_channelslast() (default)"),
     'speed':          (lambda l, d: l.to_channelslast(amp_mode=d, fuse='speed'), "clfast fuse='speed'"),
+    'speed-compiled': (lambda l, d: l.to_channelslast(amp_mode=d, fuse='speed'),
+                       "clfast fuse='speed', Triton's compiled kernels called directly"),
     'memory':         (lambda l, d: l.to_channelslast(amp_mode=d, fuse='memory'), "clfast fuse='memory'"),
     'graphs':         (lambda l, d: l.to_channelslast(amp_mode=d, graphs=True), "clfast graphs=True"),
     'speed+graphs':   (lambda l, d: l.to_channelslast(amp_mode=d, fuse='speed', graphs=True), "clfast fuse='speed', graphs=True"),
     'speed+compile':  (lambda l, d: l.to_channelslast(amp_mode=d, fuse='speed', compile=True), "clfast fuse='speed', compile=True"),
 }
+LAUNCH = {'speed-compiled': 'compiled'}   # setups whose fits launch Triton's kernels another way than Triton's own
 CORE = ['stock-cl', 'fastai', 'clfast', 'speed', 'graphs', 'speed+graphs', 'memory']   # every row; the rest where it pays
 
 def plan(models, batch_sizes, dtypes) -> list:
     """Groups (model, batch, dtype, setups) in priority order: the first model's (the issue's goals), then its compiled
     setups at the largest batch beside stock and clfast's best eager one (a compile takes about a minute), then the rest"""
-    first, last, big = models[0], models[1:], max(batch_sizes)
-    groups = [(first, bs, dt, CORE + ['contiguous']) for bs in batch_sizes for dt in dtypes]
+    first, last, big, small = models[0], models[1:], max(batch_sizes), min(batch_sizes)
+    # where the host bounds the step (the small batch), the fused layers also with the compiled kernels called directly
+    groups = [(first, bs, dt, CORE + ['contiguous'] + (['speed-compiled'] if bs == small else []))
+              for bs in batch_sizes for dt in dtypes]
     groups += [(first, big, dt, ['stock-cl', 'speed+graphs', 'compile-cl'] + (['speed+compile'] if i == 0 else []))
                for i, dt in enumerate(dtypes)]
     groups += [(m, bs, dt, [s for s in CORE if s != 'memory'] + ['contiguous']) for m in last for bs in batch_sizes for dt in dtypes]
@@ -125,7 +130,8 @@ class Group:
             cuda = self.dev.type == 'cuda'
             if cuda:   # what the fit adds to what is allocated, plus what this Learner already held: its own peak
                 self.sync(); before, own = torch.cuda.memory_allocated(), _own_bytes(learn); torch.cuda.reset_peak_memory_stats()
-            with learn.no_logging(), learn.no_bar(): learn.fit(1, cbs=[clock])
+            from clfast.triton_kernels import launching
+            with learn.no_logging(), learn.no_bar(), launching(LAUNCH.get(setup, 'jit')): learn.fit(1, cbs=[clock])
             if cuda: self.peak[setup] = (torch.cuda.max_memory_allocated() - before + own) / 2**30
         if first:
             self.first_s[setup] = clock.t0 - clock.start

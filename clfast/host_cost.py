@@ -147,11 +147,14 @@ def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', ch
     kernels' work is next to nothing and the convs cost the same. On 'cpu' a proxy: the fused step through the CUDA
     path's Python (the Triton kernel set serving the CPU, each launch stubbed: Triton's own launcher, 14-21 us a launch
     on an H100, needs a GPU) and the stock step. On 'cuda' the real thing, Triton's launches included: `k` steps issued
-    back to back between synchronizations (the GPU's work is far shorter than the host's), per step"""
+    back to back between synchronizations (the GPU's work is far shorter than the host's), per step; the fused step
+    both ways Triton's kernels can be launched (`fused` Triton's own, `fused_compiled` through the compiled kernels)"""
     shape = (2, channels, 1, 1)
     if device == 'cuda':
         time_of = lambda step: _median_us(_issued(step, k), n) / k
-        return dict(fused=time_of(fused_step(dtype, act, residual, mode, shape, device='cuda')),
+        fused = fused_step(dtype, act, residual, mode, shape, device='cuda')
+        with tk.launching('compiled'): compiled = time_of(fused)
+        return dict(fused=time_of(fused), fused_compiled=compiled,
                     stock=time_of(stock_step(dtype, act, residual, shape, device='cuda')))
     ops.kernels_ready()
     with ops.kernels_from('triton', 'CPU'), triton_names():
@@ -163,16 +166,18 @@ CASES = [(torch.float32, 'relu', False), (torch.float32, 'relu', True), (torch.b
 
 def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu') -> str:
     "A markdown table: per layer step, the kernels launched (fused: Triton + ATen; stock) and the host time (`host_times` on `device`)"
-    where = 'CPU proxy' if device == 'cpu' else device
-    rows = [f"| layer step | fused launches (Triton + ATen) | stock launches | fused host us ({where}) | stock host us | ratio |",
-            "|---|---|---|---|---|---|"]
+    where, gpu = ('CPU proxy' if device == 'cpu' else device), device == 'cuda'
+    compiled = " fused host us, compiled launches | ratio |" if gpu else ''
+    rows = [f"| layer step | fused launches (Triton + ATen) | stock launches | fused host us ({where}) | stock host us | "
+            f"ratio |{compiled}", "|---|---|---|---|---|---|" + ('---|---|' if gpu else '')]
     for dt, act, res in cases:
         l, t = launches(dt, act, res, mode), host_times(dt, act, res, mode, device=device)
         kind = f"conv-BN{'-add' if res else ''}-{act}, {str(dt)[6:]}"
         aten = f" + {len(l['aten'])}: {', '.join(l['aten'])}" if l['aten'] else ''
+        also = f" {t['fused_compiled']:.0f} | {t['fused_compiled'] / t['stock']:.2f}x |" if gpu else ''
         rows.append(f"| {kind} | {len(l['triton']) + len(l['aten'])} ({len(l['triton'])} Triton{aten}) | "
                     f"{len(l['stock'])} ({', '.join(l['stock'])}) | {t['fused']:.0f} | "
-                    f"{t['stock']:.0f} | {t['fused'] / t['stock']:.2f}x |")
+                    f"{t['stock']:.0f} | {t['fused'] / t['stock']:.2f}x |{also}")
     return '\n'.join(rows)
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a011

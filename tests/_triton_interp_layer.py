@@ -124,6 +124,19 @@ def test_direct_step_is_the_ops(momentum, stats, nbt):
     assert ops_launches == ['_stats', '_fwd', '_running', '_bwd_sums', '_bwd_dx']
     assert direct_launches == (ops_launches if momentum is None else ['_stats', '_fwd', '_bwd_sums', '_bwd_dx'])
 
+def test_compiled_launches_keep_tritons_way_when_nothing_is_compiled():
+    """The interpreter compiles nothing: launched the 'compiled' way, every kernel is keyed to Triton's own launch, and
+    the step's results are the same bit for bit (the compiled kernels themselves: `test_ops`' CUDA test)"""
+    from test_ops import _layer_step
+    triton_kernels._COMPILED.clear()
+    step = lambda: _layer_step(ops._DIRECT, torch.float32, True, True, 'silu', True, True, 0.1, True)
+    want = step()
+    with triton_kernels.launching('compiled'): got = step()
+    for i, (a, b) in enumerate(zip(want, got)): assert (a is None and b is None) or torch.equal(a, b), i
+    assert len(triton_kernels._COMPILED) == 4 and all(v is None for v in triton_kernels._COMPILED.values())
+    with pytest.raises(ValueError, match="way must be one of"):
+        with triton_kernels.launching('fast'): pass
+
 @pytest.mark.parametrize('act', ['none', 'silu'])
 def test_layer_without_conv(act):
     "The conv-less layer (clfast.bn's precise BatchNorm, timm's BatchNormAct2d with its activation) on the Triton "

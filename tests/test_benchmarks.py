@@ -6,10 +6,10 @@ from pathlib import Path
 def test_bench_gpu_fit_dry_run(capsys):
     bench = runpy.run_path(str(Path(__file__).parents[1] / 'benchmarks' / 'bench_gpu_fit.py'))
     bench['main'](['--device', 'cpu', '--models', 'resnet18', '--bs', '2', '--px', '32', '--steps', '1', '--warm', '5', '--rounds', '2',
-                   '--dtypes', 'bfloat16', '--setups', 'stock-cl', 'fastai', 'speed', 'graphs'])
+                   '--dtypes', 'bfloat16', '--setups', 'stock-cl', 'fastai', 'speed', 'graphs', 'speed-compiled'])
     out = capsys.readouterr().out
     table = out[out.index('| model |'):].strip().splitlines()[2:]
-    assert len(table) == 4 and not any('failed' in r or 'not run' in r for r in table)
+    assert len(table) == 5 and not any('failed' in r or 'not run' in r for r in table)
     rows = {r.split(' | ')[3]: r.split(' | ') for r in table}
     assert rows['stock channels-last, fastai AMP'][5] == '1.00' and float(rows["clfast fuse='speed'"][4]) > 0
     assert 'CUDA graphs need a model on a CUDA GPU' in rows['clfast graphs=True'][9]

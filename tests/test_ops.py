@@ -327,6 +327,43 @@ def test_against_fp64_cuda(dt, act, p):
     for res, training, keep_y in [(True, True, True), (False, False, False)]:
         check(dt, act, p, res, training, keep_y, device='cuda', shape=(4, 16, 9, 9), cout=70)
 
+def _cuda_step(dt, offset:int, launch:str):
+    """A fused layer step on CUDA (batch statistics, residual, SiLU) launched `launch`'s way: its output, every gradient
+    and the running statistics. The residual and the BN weight start `offset` elements into their storage"""
+    from clfast import triton_kernels as tk
+    g = torch.Generator(device='cuda').manual_seed(0)
+    rand = lambda *s: torch.randn(*s, generator=g, device='cuda')
+    def placed(*s):   # `offset` elements into a fresh storage
+        n = 1
+        for d in s: n *= d
+        return rand(n + offset)[offset:].view(*s)
+    x = rand(4, 24, 7, 7).to(dt).to(memory_format=torch.channels_last).requires_grad_()
+    w = rand(40, 24, 3, 3).to(dt).to(memory_format=torch.channels_last).requires_grad_()
+    r = placed(4, 7, 7, 40).to(dt).permute(0, 3, 1, 2).detach().requires_grad_()
+    bw, bb = placed(40).detach().requires_grad_(), rand(40).requires_grad_()
+    rm, rv, nbt = rand(40), rand(40).abs(), torch.zeros((), dtype=torch.long, device='cuda')
+    with tk.launching(launch), torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+        out = ops.fused_conv_bn(x, w, None, bw, bb, rm, rv, nbt, True, 0.1, 1e-5, ConvGeometry(padding=(1, 1)),
+                                residual=r, act='silu')
+        out.backward(rand(*out.shape).to(dt))
+    return [out, x.grad, w.grad, bw.grad, bb.grad, r.grad, rm, rv, nbt]
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('dt', [torch.float32, torch.bfloat16])
+def test_compiled_launches_are_tritons_cuda(dt):
+    """Through the compiled kernels (`launching('compiled')`) a fused layer step gives what Triton's own launches give,
+    bit for bit: output, every gradient, the running statistics; aligned, and with a residual and a BN weight 4 bytes
+    off 16 (another specialization: a compiled kernel of its own). The second step of each finds its kernels by key"""
+    from clfast import triton_kernels as tk
+    tk._COMPILED.clear()
+    for offset in (0, 1, 0, 1):
+        want, got = _cuda_step(dt, offset, 'jit'), _cuda_step(dt, offset, 'compiled')
+        for i, (a, b) in enumerate(zip(want, got)): assert torch.equal(a, b), (offset, i)
+    found = [k for k, v in tk._COMPILED.items() if v is not None]
+    assert len(found) == len(tk._COMPILED) and tk.launch_way == 'jit'
+    # the offset's tensors are keyed apart: more keys than kernels, each kernel's launches in both alignments
+    assert len(found) > len({k[0] for k in found})
+
 @pytest.mark.cuda
 def test_opcheck_cuda():
     to = lambda a: tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in a)

@@ -435,7 +435,8 @@ def _launch_compiled(kernel, grid:tuple, args:tuple, meta:dict):
     elif hit is None: kernel[grid](*args, **meta)
     else:
         ck, consts = hit
-        try: ck[grid](*args, *consts)
+        # (a compiled kernel's launch reads three grid sizes, where Triton's own fills in the missing ones)
+        try: ck[grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args, *consts)
         except TypeError as e:   # the launcher's arguments parsed differently by this Triton: nothing was launched
             _COMPILED.clear()
             global launch_way

@@ -255,3 +255,17 @@ def test_layer_needs(needs, training):
     "Results not needed come back empty; the others are unchanged (eval without dbn_weight skips y altogether)"
     for name, p, fo in [('relu', 0., True), ('gelu', 0., False)]:
         check_layer(F64, name, p, True, training, False, fo, needs=needs)
+
+def test_an_empty_batch_in_eval():
+    """No rows (an empty batch normalised with running statistics): the output and the input's gradient are empty, the
+    weights' and the BN parameters' gradients zero, as sums over nothing are (exact math, not a division by zero)"""
+    x = torch.randn(0, 3, 5, 5, dtype=F64).to(memory_format=torch.channels_last)
+    w, bw, bb = torch.randn(4, 3, 3, 3, dtype=F64), torch.rand(4, dtype=F64) + .5, torch.randn(4, dtype=F64)
+    geom = ConvGeometry(padding=(1, 1))
+    out, y, prm = tk.layer_fwd(x, w, None, bw, bb, None, torch.randn(4, dtype=F64), torch.rand(4, dtype=F64) + .5, geom,
+                               1e-5, ACTS['relu'].code, 0., True)
+    assert out.shape == (0, 4, 5, 5)
+    dx, dw, db, dbw, dbb, dres = tk.layer_bwd(torch.randn_like(out), x, w, None, y, prm, None, None, geom, False,
+                                              ACTS['relu'].code, 0., [True, True, False, True, True, False])
+    assert dx.shape == x.shape and dres.numel() == 0 and db.numel() == 0
+    for g in (dw, dbw, dbb): assert torch.equal(g, torch.zeros_like(g))

@@ -13,6 +13,7 @@ from .reference import ConvGeometry
 from .act import act_module
 from . import triton_kernels as tk
 from .gpu_report import _triton_on_meta
+from .fused import FusedConvBN2d
 
 # %% auto #0
 __all__ = ['NO_KERNEL', 'COPIES', 'CONVS', 'CASES', 'kernel_ops', 'cudnn_layouts', 'fused_step', 'stock_step', 'triton_names',
@@ -72,20 +73,21 @@ def _tensor(*shape, dtype=torch.float32, grad=False, cl=False, device='meta'):
     return t.requires_grad_(grad)
 
 def fused_step(dtype=torch.float32, act='relu', residual=False, mode='speed', shape=(8, 64, 14, 14), device='meta'):
-    "One fused layer step (3x3 conv, BN in training, residual, act; forward and backward) on `device`"
+    """One fused layer step (3x3 conv, BN in training, residual, act; forward and backward) on `device`, through the
+    module a fused model calls (`FusedConvBN2d`: its Python before the op included), BN in fp32 as `stock_step`'s"""
     n, c, h, w = shape
     mk = lambda *s, **kw: _tensor(*s, device=device, **kw)
-    x, wt = mk(*shape, dtype=dtype, grad=True, cl=True), mk(c, c, 3, 3, dtype=dtype, grad=True, cl=True)
-    bw, bb, rm, rv = mk(c, grad=True), mk(c, grad=True), mk(c), mk(c).abs()
-    nbt = torch.zeros((), dtype=torch.long, device=device)
+    layer = FusedConvBN2d(c, c, 3, padding=1, act=act, mode=mode, device=device, dtype=dtype)
+    layer.bn.float()
+    layer.to(memory_format=torch.channels_last)
+    x = mk(*shape, dtype=dtype, grad=True, cl=True)
     res = mk(*shape, dtype=dtype, grad=True, cl=True) if residual else None
     g = mk(*shape, dtype=dtype, cl=True)
+    leaves = [x, res, *layer.parameters()]
     def step():
-        for t in (x, wt, bw, bb, res):
+        for t in leaves:
             if t is not None: t.grad = None   # each step's gradients fresh: no accumulation kernel
-        out = ops.fused_conv_bn(x, wt, None, bw, bb, rm, rv, nbt, True, .1, 1e-5, ConvGeometry(padding=(1, 1)),
-                                residual=res, act=act, keep_y=mode == 'speed')
-        out.backward(g)
+        layer(x, res).backward(g)
     return step
 
 def stock_step(dtype=torch.float32, act='relu', residual=False, shape=(8, 64, 14, 14), device='meta'):

@@ -333,13 +333,13 @@ def _cuda_step(dt, offset:int, launch:str):
     from clfast import triton_kernels as tk
     g = torch.Generator(device='cuda').manual_seed(0)
     rand = lambda *s: torch.randn(*s, generator=g, device='cuda')
-    def placed(*s):   # `offset` elements into a fresh storage
+    def placed(*s, dtype=torch.float32):   # `offset` elements into a fresh storage of `dtype`
         n = 1
         for d in s: n *= d
-        return rand(n + offset)[offset:].view(*s)
+        return rand(n + offset).to(dtype)[offset:].view(*s)
     x = rand(4, 24, 7, 7).to(dt).to(memory_format=torch.channels_last).requires_grad_()
     w = rand(40, 24, 3, 3).to(dt).to(memory_format=torch.channels_last).requires_grad_()
-    r = placed(4, 7, 7, 40).to(dt).permute(0, 3, 1, 2).detach().requires_grad_()
+    r = placed(4, 7, 7, 40, dtype=dt).permute(0, 3, 1, 2).detach().requires_grad_()
     bw, bb = placed(40).detach().requires_grad_(), rand(40).requires_grad_()
     rm, rv, nbt = rand(40), rand(40).abs(), torch.zeros((), dtype=torch.long, device='cuda')
     with tk.launching(launch), torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):

@@ -352,8 +352,8 @@ def _cuda_step(dt, offset:int, launch:str):
 @pytest.mark.parametrize('dt', [torch.float32, torch.bfloat16])
 def test_compiled_launches_are_tritons_cuda(dt):
     """Through the compiled kernels (`launching('compiled')`) a fused layer step gives what Triton's own launches give,
-    bit for bit: output, every gradient, the running statistics; aligned, and with a residual and a BN weight 4 bytes
-    off 16 (another specialization: a compiled kernel of its own). The second step of each finds its kernels by key"""
+    bit for bit: output, every gradient, the running statistics; aligned, and with a residual and a BN weight one
+    element off 16 bytes (another specialization: a compiled kernel of its own). The second step of each finds its kernels by key"""
     from clfast import triton_kernels as tk
     tk._COMPILED.clear()
     for offset in (0, 1, 0, 1):

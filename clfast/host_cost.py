@@ -9,7 +9,6 @@ import torch
 from torch import nn
 from torch.profiler import profile, ProfilerActivity
 from . import ops
-from .reference import ConvGeometry
 from .act import act_module
 from . import triton_kernels as tk
 from .gpu_report import _triton_on_meta

@@ -426,6 +426,7 @@ def _launch_compiled(kernel, grid:tuple, args:tuple, meta:dict):
     dtypes at the same alignment (Triton specializes on 16-byte alignment), the same integers and constexprs. The first
     launch of each goes Triton's way, which returns the compiled kernel; a kernel whose parameters are not its runtime
     arguments then its constexprs, or a Triton whose launch returns none (the interpreter), keeps Triton's way"""
+    global launch_way
     key = (kernel, args[0].get_device(), tuple([(a.dtype, a.data_ptr() % 16) if isinstance(a, Tensor) else a for a in args]),
            tuple(meta.items()))
     hit = _COMPILED.get(key, False)
@@ -439,7 +440,6 @@ def _launch_compiled(kernel, grid:tuple, args:tuple, meta:dict):
         try: ck[grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args, *consts)
         except TypeError as e:   # the launcher's arguments parsed differently by this Triton: nothing was launched
             _COMPILED.clear()
-            global launch_way
             launch_way = 'jit'
             warnings.warn(f"clfast: Triton's compiled kernels could not be called directly ({e}): launching Triton's way")
             kernel[grid](*args, **meta)
@@ -595,9 +595,9 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
     with _on(y):
         if mean is None: _stats_into(y, m, prm, k, True, w, b, running)
         else:
-            bc = _blocks(c)[1]
-            _launch(_params, (_cdiv(c, bc),), mean.contiguous(), var.contiguous(), prm if w is None else w,
-                    prm if b is None else b, k, prm, c, HAS_W=w is not None, HAS_B=b is not None, BLOCK_C=bc)
+            pl = _plan(m, c)
+            _launch(_params, (pl.n_c,), mean.contiguous(), var.contiguous(), prm if w is None else w,
+                    prm if b is None else b, k, prm, c, HAS_W=w is not None, HAS_B=b is not None, BLOCK_C=pl.bc)
         _fwd_into(y, m, prm, None if residual is None else _cl(residual), k, int(act), out)
     return out, (y if keep_y else y.new_empty(0)), prm
 

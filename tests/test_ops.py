@@ -1,7 +1,7 @@
 """Tests of `clfast.ops`: the fused layer's op (`clfast::conv_bn_act`) over every kernel set that can run here (C++ on
 the CPU, the pure-PyTorch reference, Triton interpreted in a subprocess, CUDA when present) against the fp64 oracle:
 stock conv -> batch_norm -> (+ residual) -> activation, differentiated by autograd."""
-import contextlib, itertools, os, shutil, subprocess, sys, textwrap, warnings
+import contextlib, itertools, math, os, shutil, subprocess, sys, textwrap, warnings
 from pathlib import Path
 from unittest import mock
 import pytest, torch
@@ -334,9 +334,7 @@ def _cuda_step(dt, offset:int, launch:str):
     g = torch.Generator(device='cuda').manual_seed(0)
     rand = lambda *s: torch.randn(*s, generator=g, device='cuda')
     def placed(*s, dtype=torch.float32):   # `offset` elements into a fresh storage of `dtype`
-        n = 1
-        for d in s: n *= d
-        return rand(n + offset).to(dtype)[offset:].view(*s)
+        return rand(math.prod(s) + offset).to(dtype)[offset:].view(*s)
     x = rand(4, 24, 7, 7).to(dt).to(memory_format=torch.channels_last).requires_grad_()
     w = rand(40, 24, 3, 3).to(dt).to(memory_format=torch.channels_last).requires_grad_()
     r = placed(4, 7, 7, 40, dtype=dt).permute(0, 3, 1, 2).detach().requires_grad_()

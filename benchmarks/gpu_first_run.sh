@@ -45,7 +45,7 @@ for s in $STEPS; do
       tests/test_graphs.py $(ls tests/test_*.py | grep -v test_graphs) ;;   # CUDA graphs' first: the open question
     fit) step fit "$(left)" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 90 ))" ;;   # 60 s kept for host
     # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes
-    host) [ "$(left)" -gt 60 ] && step host 55 "$PY" -m clfast.host_cost --device cuda ;;
+    host) [ "$(left)" -gt 60 ] && step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50 ;;
     kernels) [ "$(left)" -gt 60 ] && step kernels "$(( $(left) - 5 ))" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
     *) echo "unknown step $s (build, tests, fit, host, kernels)"; failed=$((failed + 1)) ;;
   esac

@@ -12,25 +12,34 @@ from .stock import AsStock, rebuilt
 from .act import act_of
 
 # %% auto #0
-__all__ = ['is_sync_bn', 'sync_group', 'bn_args', 'imprecise_cl_batch_norm', 'PreciseBatchNorm2d', 'PreciseSyncBatchNorm',
-           'precise_class', 'is_precise', 'stock_class', 'can_be_precise', 'cpu_sync_capable', 'make_precise']
+__all__ = ['BN_ARGS', 'is_sync_bn', 'sync_group', 'bn_state', 'bn_args', 'imprecise_cl_batch_norm', 'PreciseBatchNorm2d',
+           'PreciseSyncBatchNorm', 'precise_class', 'is_precise', 'stock_class', 'can_be_precise', 'cpu_sync_capable',
+           'make_precise']
 
 # %% ../nbs/27_bn.ipynb #53634f49
 def is_sync_bn(bn:nn.Module) -> bool:
     "True if `bn` is, or does the work of (a pass-through, a precise BN), an `nn.SyncBatchNorm`"
-    return issubclass(getattr(bn, '_stock_class', type(bn)), nn.SyncBatchNorm)
+    cls = type(bn)   # the class's attribute: a module's own lookup of a missing one costs ~1 us, and this runs per layer call
+    return issubclass(getattr(cls, '_stock_class', cls), nn.SyncBatchNorm)
 
 def sync_group(bn:nn.Module) -> dist.ProcessGroup|None:
     "`SyncBatchNorm`'s rule: the process group whose batch statistics `bn` takes (its own, else the world), or None when it does not synchronize (not a SyncBatchNorm, eval, no process group)"
     if not (is_sync_bn(bn) and bn.training and dist.is_available() and dist.is_initialized()): return None
     return bn.process_group or dist.group.WORLD
 
+BN_ARGS = ('running_mean', 'running_var', 'num_batches_tracked', 'training', 'momentum', 'eps', 'process_group')
+
+def bn_state(bn:nn.Module) -> tuple:
+    "The arguments `BN_ARGS` of `fused_conv_bn` that `bn` (a BatchNorm2d, or anything with its attributes) decides, in that order (a fused layer's call: no keywords to bind)"
+    training = bn.training
+    stats = not training or bn.track_running_stats            # running statistics are read or updated
+    return (bn.running_mean if stats else None, bn.running_var if stats else None,
+            bn.num_batches_tracked if training and bn.track_running_stats else None, training, bn.momentum, bn.eps,
+            sync_group(bn))
+
 def bn_args(bn:nn.Module) -> dict:
-    "The keyword arguments of `fused_conv_bn` that `bn` (a BatchNorm2d, or anything with its attributes) decides"
-    stats = not bn.training or bn.track_running_stats            # running statistics are read or updated
-    return dict(running_mean=bn.running_mean if stats else None, running_var=bn.running_var if stats else None,
-                num_batches_tracked=bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
-                training=bn.training, momentum=bn.momentum, eps=bn.eps, process_group=sync_group(bn))
+    "`bn_state(bn)` as `fused_conv_bn`'s keyword arguments"
+    return dict(zip(BN_ARGS, bn_state(bn)))
 
 # %% ../nbs/27_bn.ipynb #3df4c123
 def _bn_errors(memory_format) -> float:

@@ -8,14 +8,14 @@ import copy, functools, warnings
 import torch
 from torch import nn, Tensor
 from .act import ACTS, get_act, act_of
-from .ops import fused_conv_bn, kernels_ready, kernels_served, autocast_cast, autocast_dtype, no_autocast
+from .ops import fused_conv_bn, _run_layer, kernels_ready, kernels_served, autocast_on, autocast_cast, autocast_dtype, no_autocast
 from .reference import ConvGeometry
 from .bad_kernels import GuardPlan, route
 from .routes import call_plan, guarded_conv
 from .guard import IMPRECISE_CL_BATCH_NORM
 from .timing import Timing, time_pair, decide, timings
 from .stock import AsStock, rebuilt
-from .bn import is_sync_bn, sync_group, bn_args, stock_class, _qual, _BN_ACT, _SYNC_BN_ACT
+from .bn import is_sync_bn, sync_group, bn_args, bn_state, stock_class, _qual, _BN_ACT, _SYNC_BN_ACT
 
 # %% auto #0
 __all__ = ['MODES', 'LAYER_WAYS', 'check_mode', 'conv_geometry', 'conv_bn_act', 'set_layer_way', 'layer_ways', 'FusedConvBN2d',
@@ -56,16 +56,17 @@ def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|Non
 
 def _fused_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, keep_y:bool,
                  geom:ConvGeometry) -> Tensor:
-    "The layer as clfast's op (`geom`: `conv_geometry(conv)`)"
-    xc, w, b, res = autocast_cast(x, conv.weight, conv.bias, residual, dev=x.device.type)
-    # a conv that would reach a known-bad stock kernel runs as `clfast.guard` says (its plan is set by `guard_model`), and
-    # so does one whose input is too short for ATen's fast channels-last weight gradient (`short_input_plan`)
-    r = route(call_plan(conv, xc, w), xc, w, geom.stride, res)
-    dev = x.device.type
+    "The layer as clfast's op (`geom`: `conv_geometry(conv)`; what `conv_bn_act` checked before, `_run_layer` does not repeat)"
+    dev, w, b = x.device.type, conv.weight, conv.bias
+    if autocast_on(dev): x, w, b, residual = autocast_cast(x, w, b, residual, dev=dev)
+    # a CPU conv that would reach a known-bad stock kernel runs as `clfast.guard` says (its plan is set by `guard_model`),
+    # and so does one whose input is too short for ATen's fast channels-last weight gradient (`short_input_plan`); a
+    # GPU's convs have no route, and its layer step no Python for one
+    r = route(call_plan(conv, x, w), x, w, geom.stride, residual) if dev == 'cpu' else None
+    if r is not None: x, w, residual, geom = r.x, r.weight, r.residual, geom._replace(stride=r.stride)
     with no_autocast(dev):
-        out = fused_conv_bn(r.x, r.weight, b, bn.weight, bn.bias, **bn_args(bn), geometry=geom._replace(stride=r.stride),
-                            residual=r.residual, act=a.name, act_param=act_param, keep_y=keep_y)
-    return r.restore(out)
+        out = _run_layer(x, w, b, bn.weight, bn.bias, *bn_state(bn), geom, residual, a, act_param, keep_y)
+    return out if r is None else r.restore(out)
 
 def _stock_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float) -> Tensor:
     """The layer as `to_channelslast()` runs the stock modules: the conv as `clfast.routes` runs it, the precise BN
@@ -203,7 +204,8 @@ class FusedConvBN2d(_FusedMixin, nn.Conv2d):
         return fused
 
     @property
-    def fused_bn(self) -> nn.BatchNorm2d: return self.__dict__['_fused_bn'] if self.surgical else self.bn
+    def fused_bn(self) -> nn.BatchNorm2d:   # (read at every call: `_modules` directly, not through nn.Module's lookup)
+        return self.__dict__['_fused_bn'] if self.surgical else self._modules['bn']
     @property
     def relu(self) -> bool: return self.act == 'relu'
     def _pickles_as_stock(self): return self.surgical

@@ -4,7 +4,7 @@
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a003
 from __future__ import annotations
-import argparse, contextlib, statistics, time
+import argparse, contextlib
 import torch
 from torch import nn
 from torch.profiler import profile, ProfilerActivity
@@ -13,6 +13,7 @@ from .act import act_module
 from . import triton_kernels as tk
 from .gpu_report import _triton_on_meta
 from .fused import FusedConvBN2d
+from .timing import paired_ratio
 
 # %% auto #0
 __all__ = ['NO_KERNEL', 'COPIES', 'CONVS', 'CASES', 'kernel_ops', 'cudnn_layouts', 'fused_step', 'stock_step', 'triton_names',
@@ -128,13 +129,6 @@ def launches(dtype=torch.float32, act='relu', residual=False, mode='speed', shap
     return dict(triton=names, aten=kernel_ops(p), stock=kernel_ops(q))
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a009
-def _median_us(step, n:int=50) -> float:
-    step(); step()   # warm-up: caches, the first call's allocations
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter(); step(); ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
-
 def _issued(step, k:int):
     "`k` steps issued back to back, then the GPU synchronized: host-bound where a step's GPU work is tiny"
     def run():
@@ -142,37 +136,43 @@ def _issued(step, k:int):
         torch.cuda.synchronize()
     return run
 
-def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', channels:int=64, n:int=50,
+def _paired_us(stock, fused, pairs:int, k:int=1) -> tuple[float, float]:
+    "`(fused us, stock us)` a step: the stock step's median and the fused one's as the median paired ratio times it (`paired_ratio`: the two alternate, so that a busy machine's drift cancels)"
+    ratio, t = paired_ratio(stock, fused, pairs)
+    return ratio * t / k * 1e6, t / k * 1e6
+
+def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', channels:int=64, n:int=200,
                device:str='cpu', k:int=20) -> dict:
-    """The host time of one layer step, in us (median of `n`), both ways on tensors of 2 values a channel, so that the
-    kernels' work is next to nothing and the convs cost the same. On 'cpu' a proxy: the fused step through the CUDA
-    path's Python (the Triton kernel set serving the CPU, each launch stubbed: Triton's own launcher, 14-21 us a launch
-    on an H100, needs a GPU) and the stock step. On 'cuda' the real thing, Triton's launches included: `k` steps issued
-    back to back between synchronizations (the GPU's work is far shorter than the host's), per step; the fused step
-    both ways Triton's kernels can be launched (`fused` Triton's own, `fused_compiled` through the compiled kernels)"""
+    """The host time of one layer step, in us, both ways on tensors of 2 values a channel, so that the kernels' work is
+    next to nothing and the convs cost the same; timed in `n` alternating pairs (`clfast.timing.paired_ratio`). On
+    'cpu' a proxy: the fused step through the CUDA path's Python (the Triton kernel set serving the CPU, each launch
+    stubbed: Triton's own launcher, 14-21 us a launch on an H100, needs a GPU) and the stock step. On 'cuda' the real
+    thing, Triton's launches included: `k` steps issued back to back between synchronizations (the GPU's work is far
+    shorter than the host's), per step; the fused step both ways Triton's kernels can be launched (`fused` Triton's
+    own, `fused_compiled` through the compiled kernels)"""
     shape = (2, channels, 1, 1)
     if device == 'cuda':
-        time_of = lambda step: _median_us(_issued(step, k), n) / k
-        fused = fused_step(dtype, act, residual, mode, shape, device='cuda')
-        with tk.launching('compiled'): compiled = time_of(fused)
-        return dict(fused=time_of(fused), fused_compiled=compiled,
-                    stock=time_of(stock_step(dtype, act, residual, shape, device='cuda')))
+        fused = _issued(fused_step(dtype, act, residual, mode, shape, device='cuda'), k)
+        stock = _issued(stock_step(dtype, act, residual, shape, device='cuda'), k)
+        with tk.launching('compiled'): compiled, _ = _paired_us(stock, fused, n, k)
+        f, s = _paired_us(stock, fused, n, k)
+        return dict(fused=f, fused_compiled=compiled, stock=s)
     ops.kernels_ready()
-    with ops.kernels_from('triton', 'CPU'), triton_names():
-        fused = _median_us(fused_step(dtype, act, residual, mode, shape, device='cpu'), n)
-    stock = _median_us(stock_step(dtype, act, residual, shape, device='cpu'), n)
-    return dict(fused=fused, stock=stock)
+    with ops.kernels_from('triton', 'CPU'), triton_names():   # the stock step runs no clfast op: unchanged inside
+        f, s = _paired_us(stock_step(dtype, act, residual, shape, device='cpu'),
+                          fused_step(dtype, act, residual, mode, shape, device='cpu'), n)
+    return dict(fused=f, stock=s)
 
 CASES = [(torch.float32, 'relu', False), (torch.float32, 'relu', True), (torch.bfloat16, 'relu', False), (torch.bfloat16, 'silu', True)]
 
-def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu') -> str:
-    "A markdown table: per layer step, the kernels launched (fused: Triton + ATen; stock) and the host time (`host_times` on `device`)"
+def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu', pairs:int=200) -> str:
+    "A markdown table: per layer step, the kernels launched (fused: Triton + ATen; stock) and the host time (`host_times` on `device`, in `pairs` pairs)"
     where, gpu = ('CPU proxy' if device == 'cpu' else device), device == 'cuda'
     compiled = " fused host us, compiled launches | ratio |" if gpu else ''
     rows = [f"| layer step | fused launches (Triton + ATen) | stock launches | fused host us ({where}) | stock host us | "
             f"ratio |{compiled}", "|---|---|---|---|---|---|" + ('---|---|' if gpu else '')]
     for dt, act, res in cases:
-        l, t = launches(dt, act, res, mode), host_times(dt, act, res, mode, device=device)
+        l, t = launches(dt, act, res, mode), host_times(dt, act, res, mode, n=pairs, device=device)
         kind = f"conv-BN{'-add' if res else ''}-{act}, {str(dt)[6:]}"
         aten = f" + {len(l['aten'])}: {', '.join(l['aten'])}" if l['aten'] else ''
         also = f" {t['fused_compiled']:.0f} | {t['fused_compiled'] / t['stock']:.2f}x |" if gpu else ''
@@ -183,11 +183,13 @@ def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu') -> str:
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a011
 def main(argv=None):
-    "`python -m clfast.host_cost [--device cuda]`: print the table of launches and host time per layer step"
+    "`python -m clfast.host_cost [--device cuda] [--pairs N]`: print the table of launches and host time per layer step"
     p = argparse.ArgumentParser(prog='python -m clfast.host_cost', description=__doc__)
     p.add_argument('--device', choices=('cpu', 'cuda'), default='cpu',
                    help="cpu: the proxy (launches stubbed); cuda: the GPU's host time, launches included")
-    print(host_cost_table(device=p.parse_args(argv).device))
+    p.add_argument('--pairs', type=int, default=200, help="alternating pairs timed per row (200 on the CPU: +-3%%)")
+    args = p.parse_args(argv)
+    print(host_cost_table(device=args.device, pairs=args.pairs))
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a012
 #| eval: false

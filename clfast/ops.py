@@ -324,9 +324,9 @@ def _layer_op(x:Tensor) -> Callable:
 # %% ../nbs/21_ops.ipynb #7ddcb450
 def _out_size(x:Tensor, weight:Optional[Tensor], geom:ConvGeometry) -> list[int]:
     if weight is None: return list(x.shape)
-    hw = [(n + 2*p - d*(k-1) - 1) // s + 1
-          for n, k, s, p, d in zip(x.shape[2:], weight.shape[2:], geom.stride, geom.padding, geom.dilation)]
-    return [x.shape[0], weight.shape[0], *hw]
+    (n, _, h, w), (c, _, kh, kw) = x.shape, weight.shape   # unrolled: this runs at every layer call
+    (sh, sw), (ph, pw), (dh, dw) = geom.stride, geom.padding, geom.dilation
+    return [n, c, (h + 2*ph - dh*(kh-1) - 1) // sh + 1, (w + 2*pw - dw*(kw-1) - 1) // sw + 1]
 
 def fused_conv_bn(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_weight:Optional[Tensor], bn_bias:Optional[Tensor],
                   running_mean:Optional[Tensor], running_var:Optional[Tensor], num_batches_tracked:Optional[Tensor],
@@ -338,16 +338,26 @@ def fused_conv_bn(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_w
     `weight` None: no conv, `act(batch_norm(x) [+ residual])` (`bias` None too; `keep_y` is moot: backward has `x`)"""
     if x.dim() != 4: raise ValueError(f"expected 4D input (got {x.dim()}D input)")
     a = get_act(act) if isinstance(act, str) else _act_of(act)
-    size = _out_size(x, weight, geometry)
-    if residual is not None and list(residual.shape) != size:
-        raise ValueError(f"residual shape {list(residual.shape)} must equal the conv output's {size}")
-    batch_stats = training or (running_mean is None and running_var is None)
-    group = _group_name(process_group) if batch_stats else ''
-    if batch_stats and not group and size[0] * size[2] * size[3] == 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size torch.Size({size})")
     if not kernels_ready(x.device):
         raise RuntimeError(f"clfast's fused layer cannot run on {x.device}: {_loaded.get(str(x.device))}")
-    if residual is not None and residual.dtype != x.dtype: residual = residual.to(x.dtype)
-    return _layer_op(x)(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var,
-                                        num_batches_tracked, training, momentum, eps, *geometry, a.code,
-                                        float(act_param), keep_y, group)
+    return _run_layer(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked, training, momentum,
+                      eps, process_group, geometry, residual, a, act_param, keep_y)
+
+def _run_layer(x:Tensor, weight, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked, training:bool,
+               momentum, eps:float, process_group, geometry:ConvGeometry, residual:Optional[Tensor], act, act_param:float,
+               keep_y:bool) -> Tensor:
+    """`fused_conv_bn` (BN's arguments in `clfast.bn.bn_state`'s order) once its caller has checked what a fused module
+    checks before it calls (a 4D `x`, the kernels ready on its device) and parsed the activation (`act`: an `ActSpec`):
+    the fused module's path, which runs at every layer call; what only this call's tensors tell (the residual's shape,
+    a single value a channel) is checked here"""
+    batch_stats = training or (running_mean is None and running_var is None)
+    group = _group_name(process_group) if batch_stats else ''
+    if residual is not None or (x.shape[0] == 1 and batch_stats and not group):   # (the output's size only where it matters)
+        size = _out_size(x, weight, geometry)
+        if residual is not None and list(residual.shape) != size:
+            raise ValueError(f"residual shape {list(residual.shape)} must equal the conv output's {size}")
+        if batch_stats and not group and size[0] * size[2] * size[3] == 1:
+            raise ValueError(f"Expected more than 1 value per channel when training, got input size torch.Size({size})")
+        if residual is not None and residual.dtype != x.dtype: residual = residual.to(x.dtype)
+    return _layer_op(x)(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked,
+                        training, momentum, eps, *geometry, act.code, float(act_param), keep_y, group)

@@ -187,7 +187,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog='python -m clfast.host_cost', description=__doc__)
     p.add_argument('--device', choices=('cpu', 'cuda'), default='cpu',
                    help="cpu: the proxy (launches stubbed); cuda: the GPU's host time, launches included")
-    p.add_argument('--pairs', type=int, default=200, help="alternating pairs timed per row (200 on the CPU: +-3%%)")
+    p.add_argument('--pairs', type=int, default=200, help="alternating pairs timed per row (the CPU's default 200: rows still move +-5%% run to run on a 2-core VM)")
     args = p.parse_args(argv)
     print(host_cost_table(device=args.device, pairs=args.pairs))
 

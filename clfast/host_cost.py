@@ -13,11 +13,12 @@ from .act import act_module
 from . import triton_kernels as tk
 from .gpu_report import _triton_on_meta
 from .fused import FusedConvBN2d
+from .reference import ConvGeometry
 from .timing import paired_ratio
 
 # %% auto #0
-__all__ = ['NO_KERNEL', 'COPIES', 'CONVS', 'CASES', 'kernel_ops', 'cudnn_layouts', 'fused_step', 'stock_step', 'triton_names',
-           'launches', 'host_times', 'host_cost_table', 'main']
+__all__ = ['NO_KERNEL', 'COPIES', 'CONVS', 'CASES', 'kernel_ops', 'cudnn_layouts', 'stubbed_convs', 'fused_step', 'stock_step',
+           'triton_names', 'launches', 'host_times', 'host_cost_table', 'main']
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a005
 # ATen ops that launch no kernel on CUDA: allocations, views, metadata. A copy-family op launches one when it copies
@@ -65,6 +66,31 @@ def cudnn_layouts():
     aten.convolution, aten.convolution_backward = conv, conv_bwd
     try: yield
     finally: aten.convolution, aten.convolution_backward = real
+
+def _layout(t):
+    "The layout cuDNN gives a conv's result for a `t` laid out so: channels-last for a channels-last `t`"
+    return torch.channels_last if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+
+@contextlib.contextmanager
+def stubbed_convs():
+    """CPU convs that compute nothing inside the block: `aten::convolution` and its backward return uninitialized
+    tensors of their results' sizes in cuDNN's layouts (2D, not transposed: the steps here). A step's CPU time is then
+    its Python and dispatch, as on a GPU, where a conv is a launch and not 70-150 us of compute that evicts the host's
+    caches (with real convs, a fused step's excess over stock's reads ~3x what it is with these)"""
+    def conv(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+        if transposed or x.dim() != 4: raise NotImplementedError("stubbed_convs: 2D convs only, not transposed")
+        size = ops._out_size(x, w, ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups))
+        return torch.empty(size, dtype=x.dtype, memory_format=_layout(x))
+    def conv_bwd(dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask):
+        return (torch.empty(x.shape, dtype=x.dtype, memory_format=_layout(x)) if mask[0] else None,
+                torch.empty(w.shape, dtype=w.dtype, memory_format=_layout(w)) if mask[1] else None,
+                dy.new_empty(bias_sizes) if mask[2] and bias_sizes else None)
+    lib = torch.library.Library('aten', 'IMPL')
+    try:
+        lib.impl('convolution', conv, 'CPU', **ops._OVERRIDE)
+        lib.impl('convolution_backward', conv_bwd, 'CPU', **ops._OVERRIDE)
+        yield
+    finally: lib._destroy()   # the real kernels again
 
 def _tensor(*shape, dtype=torch.float32, grad=False, cl=False, device='meta'):
     "A `shape` tensor on `device`: random values, or none on `meta`"
@@ -142,15 +168,17 @@ def _paired_us(stock, fused, pairs:int, k:int=1) -> tuple[float, float]:
     return ratio * t / k * 1e6, t / k * 1e6
 
 def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', channels:int=64, n:int=200,
-               device:str='cpu', k:int=20) -> dict:
+               device:str='cpu', k:int=20, stub_convs:bool=False) -> dict:
     """The host time of one layer step, in us, both ways on tensors of 2 values a channel, so that the kernels' work is
     next to nothing and the convs cost the same; timed in `n` alternating pairs (`clfast.timing.paired_ratio`). On
     'cpu' a proxy: the fused step through the CUDA path's Python (the Triton kernel set serving the CPU, each launch
     stubbed: Triton's own launcher, 14-21 us a launch on an H100, needs a GPU) and the stock step. On 'cuda' the real
     thing, Triton's launches included: `k` steps issued back to back between synchronizations (the GPU's work is far
     shorter than the host's), per step; the fused step both ways Triton's kernels can be launched (`fused` Triton's
-    own, `fused_compiled` through the compiled kernels)"""
+    own, `fused_compiled` through the compiled kernels). `stub_convs` (the CPU proxy's): both steps' convs computing
+    nothing (`stubbed_convs`), what a change of a few us needs to show"""
     shape = (2, channels, 1, 1)
+    if stub_convs and device != 'cpu': raise ValueError("stub_convs is the CPU proxy's: a GPU's convs are launches already")
     if device == 'cuda':
         fused = _issued(fused_step(dtype, act, residual, mode, shape, device='cuda'), k)
         stock = _issued(stock_step(dtype, act, residual, shape, device='cuda'), k)
@@ -158,21 +186,23 @@ def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', ch
         f, s = _paired_us(stock, fused, n, k)
         return dict(fused=f, fused_compiled=compiled, stock=s)
     ops.kernels_ready()
-    with ops.kernels_from('triton', 'CPU'), triton_names():   # the stock step runs no clfast op: unchanged inside
+    convs = stubbed_convs() if stub_convs else contextlib.nullcontext()
+    with ops.kernels_from('triton', 'CPU'), triton_names(), convs:   # the stock step runs no clfast op: unchanged inside
         f, s = _paired_us(stock_step(dtype, act, residual, shape, device='cpu'),
                           fused_step(dtype, act, residual, mode, shape, device='cpu'), n)
     return dict(fused=f, stock=s)
 
 CASES = [(torch.float32, 'relu', False), (torch.float32, 'relu', True), (torch.bfloat16, 'relu', False), (torch.bfloat16, 'silu', True)]
 
-def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu', pairs:int=200) -> str:
+def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu', pairs:int=200, stub_convs:bool=False) -> str:
     "A markdown table: per layer step, the kernels launched (fused: Triton + ATen; stock) and the host time (`host_times` on `device`, in `pairs` pairs)"
-    where, gpu = ('CPU proxy' if device == 'cpu' else device), device == 'cuda'
+    where = 'CPU proxy' + (', convs stubbed' if stub_convs else '') if device == 'cpu' else device
+    gpu = device == 'cuda'
     compiled = " fused host us, compiled launches | ratio |" if gpu else ''
     rows = [f"| layer step | fused launches (Triton + ATen) | stock launches | fused host us ({where}) | stock host us | "
             f"ratio |{compiled}", "|---|---|---|---|---|---|" + ('---|---|' if gpu else '')]
     for dt, act, res in cases:
-        l, t = launches(dt, act, res, mode), host_times(dt, act, res, mode, n=pairs, device=device)
+        l, t = launches(dt, act, res, mode), host_times(dt, act, res, mode, n=pairs, device=device, stub_convs=stub_convs)
         kind = f"conv-BN{'-add' if res else ''}-{act}, {str(dt)[6:]}"
         aten = f" + {len(l['aten'])}: {', '.join(l['aten'])}" if l['aten'] else ''
         also = f" {t['fused_compiled']:.0f} | {t['fused_compiled'] / t['stock']:.2f}x |" if gpu else ''
@@ -183,13 +213,15 @@ def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu', pairs:int=2
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a011
 def main(argv=None):
-    "`python -m clfast.host_cost [--device cuda] [--pairs N]`: print the table of launches and host time per layer step"
+    "`python -m clfast.host_cost [--device cuda] [--pairs N] [--stub-convs]`: print the table of launches and host time per layer step"
     p = argparse.ArgumentParser(prog='python -m clfast.host_cost', description=__doc__)
     p.add_argument('--device', choices=('cpu', 'cuda'), default='cpu',
                    help="cpu: the proxy (launches stubbed); cuda: the GPU's host time, launches included")
     p.add_argument('--pairs', type=int, default=200, help="alternating pairs timed per row (the CPU's default 200: rows still move +-5%% run to run on a 2-core VM)")
+    p.add_argument('--stub-convs', action='store_true',
+                   help="the CPU proxy with convs that compute nothing: the steps' Python and dispatch alone")
     args = p.parse_args(argv)
-    print(host_cost_table(device=args.device, pairs=args.pairs))
+    print(host_cost_table(device=args.device, pairs=args.pairs, stub_convs=args.stub_convs))
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a012
 #| eval: false

@@ -44,3 +44,25 @@ def test_a_gpu_step_launches_what_the_meta_count_says(momentum, want):
         out.float().sum().backward()
     assert [l.name for l in launched] == want and nbt.item() == 1
     if momentum is not None: assert want == host_cost.launches(torch.bfloat16, 'relu')['triton']   # (counted with one)
+
+def test_stubbed_convs_give_cudnns_shapes_and_layouts_and_then_go():
+    "Inside the block a conv computes nothing but its result has the real one's size and cuDNN's layout; after it, real convs"
+    x = torch.randn(2, 3, 9, 9).to(memory_format=torch.channels_last).requires_grad_()
+    conv = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1, bias=True).to(memory_format=torch.channels_last)
+    want = conv(x)
+    with host_cost.stubbed_convs():
+        y = conv(x)
+        y.backward(torch.ones_like(y))
+        with pytest.raises(NotImplementedError, match='2D convs only'):
+            torch.nn.functional.conv_transpose2d(x, torch.randn(3, 5, 3, 3))
+    assert y.shape == want.shape and y.is_contiguous(memory_format=torch.channels_last)
+    assert x.grad.shape == x.shape and x.grad.is_contiguous(memory_format=torch.channels_last)
+    assert conv.weight.grad.shape == conv.weight.shape and conv.bias.grad.shape == conv.bias.shape
+    torch.testing.assert_close(conv(x), want)   # the real kernel is back
+
+def test_the_proxy_times_both_steps_and_stubs_convs_on_the_cpu_only():
+    "Each way's host time is measured (positive, the ratio theirs), with or without stubbed convs; a GPU's are not stubbed"
+    for stub in (False, True):
+        t = host_cost.host_times(n=3, stub_convs=stub)
+        assert t['fused'] > 0 and t['stock'] > 0
+    with pytest.raises(ValueError, match="CPU proxy's"): host_cost.host_times(n=3, device='cuda', stub_convs=True)

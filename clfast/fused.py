@@ -97,10 +97,9 @@ def layer_ways() -> dict:
     return {k[len('layer:'):]: 'stock' if t.chosen else 'fused' for k, t in timings('layer:').items()}
 
 def _traced(x:Tensor) -> bool:
-    "Whether this call is traced (torch.compile, export, jit.trace, a CUDA graph) or under a dispatch mode: nothing there can be timed"
+    "Whether this call is traced (torch.compile, export, jit.trace) or under a dispatch mode: nothing there can be timed"
     return (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack() > 0
-            or torch._C._is_torch_function_mode_enabled() or type(x) is not Tensor
-            or (x.is_cuda and torch.cuda.is_current_stream_capturing()))   # a CUDA graph's capture (`clfast.graphs`)
+            or torch._C._is_torch_function_mode_enabled() or type(x) is not Tensor)
 
 @functools.lru_cache(maxsize=None)
 def _gpu_name(index:int|None) -> str: return torch.cuda.get_device_name(index)   # once: the key is made every call
@@ -120,6 +119,9 @@ def _way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_pa
     grad = torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad)
     key = _layer_key(x, conv, bn, residual, a, act_param, grad)
     if key not in _ways:
+        # a CUDA graph's capture (`clfast.graphs`) takes the way its eager steps took; nothing can be timed inside it,
+        # and a way no step ran before would compile kernels or allocate their constants inside it, which fails it
+        if x.is_cuda and torch.cuda.is_current_stream_capturing(): return 'fused'
         try: way = 'stock' if decide(f"layer:{key}", lambda: _timed_way(x, conv, bn, residual, a, act_param, grad)).chosen else 'fused'
         except Exception as e: way = _untimed(conv, e)   # this process only: nothing was measured
         _ways[key] = way
@@ -146,7 +148,7 @@ def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
             if grad: out.backward(torch.ones_like(out))
         return f
     geom = conv_geometry(conv)
-    sync = torch.cuda.synchronize if x.is_cuda else None   # a GPU's time is the host's and the device's
+    sync = (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else None   # a GPU's time is the host's and the device's
     return time_pair(run(lambda *args: _fused_layer(*args, keep_y=True, geom=geom)), run(_stock_layer), sync)
 
 # %% ../nbs/23_fused.ipynb #3bba664d

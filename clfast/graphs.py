@@ -10,6 +10,7 @@ from torch import nn, Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastcore.basics import store_attr
 from fastai.callback.core import Callback
+from fastai.torch_core import to_detach
 from .core import ClfastWarning, is_compiled
 
 # %% auto #0
@@ -45,6 +46,17 @@ def _tensors_at(model:nn.Module) -> tuple:
 @functools.cache   # one side stream per device for every capture: cuBLAS keeps a workspace per stream, for good
 def _capture_stream(device:torch.device) -> torch.cuda.Stream: return torch.cuda.Stream(device)
 
+def _abandon_capture(device:torch.device, pool, stream:torch.cuda.Stream):
+    """Undo what a failed capture leaves behind: `torch.cuda.graph`'s exit stops at `capture_end`'s error, which leaves
+    the capture's stream current (every later op of the process ran on it), and `capture_end` stops before it tells
+    the caching allocator that the capture is over (an allocator that thinks one underway never recycles blocks used
+    on other streams, nor frees its cache on an out-of-memory) and before the graph would let go of the private pool"""
+    torch.cuda.set_stream(stream)
+    try: torch._C._cuda_endAllocateToPool(device.index, pool)
+    except (AttributeError, RuntimeError): return   # capture_end got that far (its graph lets go of the pool), or another torch
+    try: torch._C._cuda_releasePool(device.index, pool)
+    except (AttributeError, RuntimeError): pass
+
 class _Graph:
     "The forward and backward of `forward(*args)` over `model`'s trainable parameters, captured for `args`' signature"
     def __init__(self, model:nn.Module, forward, args:tuple):
@@ -61,41 +73,53 @@ class _Graph:
                 return forward(*self.inputs)
         def grads(outs, grad_outs):
             return torch.autograd.grad(outs, [t for t in surface if t.requires_grad], grad_outs, allow_unused=True)
-        stream = _capture_stream(args[0].device)
+        dev = args[0].device
+        stream, before = _capture_stream(dev), torch.cuda.current_stream(dev)
         # a capture registers the device's default generator and puts it in capture mode; one that fails never takes
         # it out, and every later random op in the process (dropout, eager) would raise: a copy of its state comes back
-        generator = torch.cuda.default_generators[torch.cuda.current_device()]
-        rng, collecting = generator.clone_state(), gc.isenabled()
-        try:
-            torch.cuda.synchronize()
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    outs = self._differentiable(run())
-                    if outs: grads(outs, [torch.zeros_like(o) for o in outs])
-            torch.cuda.synchronize()
-            gc.collect(); gc.disable()   # no finalizer of unrelated garbage runs its CUDA calls inside a capture
-            self.fwd, self.bwd, pool = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
-            # 'thread_local': fastai's pin-memory thread may allocate pinned memory meanwhile, which is not captured
-            with torch.cuda.graph(self.fwd, pool=pool, stream=stream, capture_error_mode='thread_local'):
-                out = run()
-            self.outputs, self.spec = tree_flatten(out)
-            if not all(isinstance(o, Tensor) for o in self.outputs):
-                raise TypeError("the model returns something other than tensors")
-            diff = self._differentiable(out)
-            self.grad_outputs, got = tuple(torch.empty_like(o) for o in diff), ()
-            if diff:   # else nothing trains: no backward to capture
-                with torch.cuda.graph(self.bwd, pool=pool, stream=stream, capture_error_mode='thread_local'):
-                    got = grads(diff, self.grad_outputs)
-            got = iter(got)
-            self.grads = tuple(next(got) if w else None for w in self.wants)
-        except BaseException:
-            generator.graphsafe_set_state(rng)
-            raise
-        finally:
-            if collecting: gc.enable()
-            with torch.no_grad():
-                for b, s in zip(buffers, saved): b.copy_(s)   # the warm-up's BN updates undone: each batch counts once
-            torch.cuda.synchronize()
+        generator = torch.cuda.default_generators[dev.index]
+        rng, collecting, capturing = generator.clone_state(), gc.isenabled(), False
+        with torch.cuda.device(dev):   # the model's GPU, whichever is current: its synchronizations, its generator
+            try:
+                torch.cuda.synchronize()
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        outs = self._differentiable(run())
+                        if outs: grads(outs, [torch.zeros_like(o) for o in outs])
+                    del outs
+                torch.cuda.synchronize()
+                gc.collect(); gc.disable()   # no finalizer of unrelated garbage runs its CUDA calls inside a capture
+                self.fwd, self.bwd, pool = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
+                # 'thread_local': fastai's pin-memory thread may allocate pinned memory meanwhile, which is not captured
+                capturing = True
+                with torch.cuda.graph(self.fwd, pool=pool, stream=stream, capture_error_mode='thread_local'):
+                    out = run()
+                capturing = False
+                self.outputs, self.spec = tree_flatten(out)
+                if not all(isinstance(o, Tensor) for o in self.outputs):
+                    raise TypeError("the model returns something other than tensors")
+                diff = self._differentiable(out)
+                self.grad_outputs, got = tuple(torch.empty_like(o) for o in diff), ()
+                if diff:   # else nothing trains: no backward to capture
+                    capturing = True
+                    with torch.cuda.graph(self.bwd, pool=pool, stream=stream, capture_error_mode='thread_local'):
+                        got = grads(diff, self.grad_outputs)
+                    capturing = False
+                got = iter(got)
+                self.grads = tuple(next(got) if w else None for w in self.wants)
+                # the outputs without the captured autograd graph: holding it would keep its parameters' gradient
+                # accumulators, made on the capture stream, for the replays' backward (on another stream) to sync with
+                self.trains = tuple(o.requires_grad for o in self.outputs)
+                self.outputs = tuple(o.detach() for o in self.outputs)
+            except BaseException:
+                generator.graphsafe_set_state(rng)
+                if capturing: _abandon_capture(dev, pool, before)
+                raise
+            finally:
+                if collecting: gc.enable()
+                with torch.no_grad():
+                    for b, s in zip(buffers, saved): b.copy_(s)   # the warm-up's BN updates undone: each batch counts once
+                torch.cuda.synchronize()
 
     @staticmethod
     def _differentiable(out) -> list: return [o for o in tree_flatten(out)[0] if isinstance(o, Tensor) and o.requires_grad]
@@ -112,7 +136,7 @@ class _Replay(torch.autograd.Function):
         for static, new in zip(graph.inputs, inputs): static.copy_(new)
         graph.fwd.replay()
         outs = tuple(o.clone() for o in graph.outputs)   # out of the graph's memory: the next replay overwrites it
-        ctx.mark_non_differentiable(*(o for o, s in zip(outs, graph.outputs) if not s.requires_grad))
+        ctx.mark_non_differentiable(*(o for o, trains in zip(outs, graph.trains) if not trains))
         return outs
 
     @staticmethod
@@ -121,7 +145,7 @@ class _Replay(torch.autograd.Function):
         graph, ctx.graph = ctx.graph, None   # fastai keeps the last step's pred and loss: they hold no graph memory
         if graph is None: raise RuntimeError("clfast CudaGraphs: a step replayed from a CUDA graph backpropagates once "
                                              "(no retain_graph=True); train it with graphs=False")
-        diff = iter(grads[i] for i, o in enumerate(graph.outputs) if o.requires_grad)
+        diff = iter(g for g, trains in zip(grads, graph.trains) if trains)
         for static, g in zip(graph.grad_outputs, diff): static.copy_(g)
         graph.bwd.replay()
         n = len(graph.inputs)
@@ -212,6 +236,14 @@ class CudaGraphs(Callback):
         self.graphed = GraphedForward(self.model, self.warm, self.max_graphs, self._say)
         if self.graphed.why is not None: return self._say(self.graphed.why)
         self.model.forward = self.graphed
+
+    def before_batch(self):
+        """Let go of the last step's autograd graph, which fastai keeps (its `pred`, `loss` and `loss_grad`) until this
+        step replaces them: it holds the parameters' gradient accumulators, made on the stream of the eager steps before,
+        and a capture whose backward reaches one made on the default stream fails (the default stream would join it)"""
+        for name in ('pred', 'loss', 'loss_grad'):
+            value = getattr(self.learn, name, None)
+            if value is not None: setattr(self.learn, name, to_detach(value, cpu=False, gather=False))
 
     def after_fit(self): self._remove()
     def interrupted(self): self._remove()   # called by clfast's `Learner.one_batch` when a batch raised

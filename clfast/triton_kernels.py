@@ -444,11 +444,12 @@ def _launch_compiled(kernel, grid:tuple, args:tuple, meta:dict):
             warnings.warn(f"clfast: Triton's compiled kernels could not be called directly ({e}): launching Triton's way")
             kernel[grid](*args, **meta)
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=None)   # never evicted: a CUDA graph that captured a launch reads the tensor's address
 def _consts(act_param:float, eps:float, dtype:torch.dtype, device:torch.device) -> Tensor:
     "`[act_param, eps]` in `dtype` on `device`, made once per value (kernel scalars would be rounded to fp32)"
     return torch.tensor([act_param, eps], dtype=dtype, device=device)
 _LOCKS: dict[torch.device, Tensor] = {}   # per device: the reductions' counters (`_last_program`), each left at zero
+_RETIRED_LOCKS: list[Tensor] = []   # counters outgrown, kept: a CUDA graph that captured a launch reads their address
 
 def _locks(device:torch.device, n:int) -> Tensor:
     "At least `n` zeroed `int32` counters on `device`, one per column block of a reduction"
@@ -458,6 +459,7 @@ def _locks(device:torch.device, n:int) -> Tensor:
             # memory a graph allocates is its own: a counter buffer made during a capture would be freed with the graph
             raise RuntimeError("clfast's Triton kernels ran for the first time on this device inside a CUDA graph "
                                "capture: run the step once before capturing it")
+        if t is not None: _RETIRED_LOCKS.append(t)
         t = _LOCKS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
     return t
 

@@ -476,3 +476,23 @@ def test_a_nan_or_inf_batch_is_as_stock(bad, act, res):
     for a, b in [(os_, of), (xs.grad, xf.grad), (stock[0].weight.grad, f.weight.grad), (stock[1].weight.grad, f.bn.weight.grad),
                  (stock[1].running_mean, f.bn.running_mean), (stock[1].running_var, f.bn.running_var)]:
         assert all(torch.equal(p, q) for p, q in zip(pattern(a), pattern(b)))
+
+@pytest.mark.cuda
+def test_a_capture_takes_the_way_the_eager_steps_took():
+    """Inside a CUDA graph's capture a fused layer runs the way its eager steps took: a way no step ran would compile
+    kernels or allocate their constants inside the capture, which fails it (`clfast.graphs`)"""
+    from clfast import fused
+    layer = FusedConvBN2d(16, 16, 3, padding=1).cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(8, 16, 8, 8, device='cuda').to(memory_format=torch.channels_last).requires_grad_()
+    a, bn = fused.get_act(layer.act), layer.fused_bn
+    layer(x)   # the eager step: 'timed' (the default) times this layer's two ways
+    key = fused._layer_key(x, layer, bn, None, a, 0., True)
+    taken = fused._ways[key]
+    other = {'fused': 'stock', 'stock': 'fused'}[taken]
+    fused._ways[key] = other   # stands for the other choice (the timing's, which this GPU may not make): what a capture takes
+    try:
+        s, g = torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(g, stream=s): way = fused._way(x, layer, bn, None, a, 0., True)
+        assert way == other
+    finally: fused._ways[key] = taken

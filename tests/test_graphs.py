@@ -33,6 +33,21 @@ def test_cpu_model_trains_eagerly_and_says_why_once():
     for a, b in zip(*params): assert torch.equal(a, b)
     assert learn.cuda_graphs.captured == 0
 
+def test_the_last_steps_autograd_graph_is_let_go_before_each_step():
+    """fastai keeps a step's pred and loss, and with them its autograd graph (which holds the parameters' gradient
+    accumulators), until the next step replaces them; with CudaGraphs they are let go of before each step, so that a
+    capture's backward never reaches an accumulator made on the eager steps' stream (on a GPU: a failed capture)"""
+    for graphs in (False, True):
+        held = []
+        class Look(Callback):
+            order = 13   # after CudaGraphs (12)
+            def before_batch(self):
+                if self.training and self.iter > 0:
+                    held.append([getattr(self.learn, n).grad_fn is not None for n in ('pred', 'loss', 'loss_grad')])
+        learn = tiny_learner().to_channelslast(use_amp=False, graphs=graphs)
+        with warnings.catch_warnings(): warnings.simplefilter('ignore'); _fit(learn, Look())
+        assert held and all(h == [not graphs] * 3 for h in held), (graphs, held)
+
 def test_switches():
     learn = tiny_learner()
     with pytest.raises(ValueError, match='choose one'): learn.to_channelslast(graphs=True, compile=True)
@@ -154,6 +169,7 @@ def test_graphed_fit_trains_as_eager(fuse, amp_mode):
             _fit(learn, Count(), epochs=2)
         assert not [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
         if graphs: assert counted[-2] == 1 and counted[0] == 0   # eager while warming, replayed once steady
+        if graphs: assert learn.cuda_graphs.retried == []   # captured at the first try (no retry hides a failure)
         bn = learn.model[0][1]
         runs.append((bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.item(),
                      [p.detach().float().clone() for p in learn.model.parameters()], learn.recorder.losses))
@@ -230,6 +246,7 @@ def test_failed_capture_trains_eagerly_and_keeps_the_generator():
     assert all(math.isfinite(l) for l in learn.recorder.losses)
     assert learn.model[2][1].num_batches_tracked.item() == 16    # each batch counted once, the failed capture's none
     assert torch.rand(4, device='cuda').isfinite().all()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()   # the failed capture's stream is not left current
 
 class _FailsFirstCapture(nn.Module):
     "A host read inside its first capture only: a capture that fails once, as a process's first did on an H100"

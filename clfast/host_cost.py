@@ -50,6 +50,10 @@ def kernel_ops(prof) -> list[str]:
     return found
 
 # %% ../nbs/28_host_cost.ipynb #e5c0a007
+def _layout(t):
+    "The layout cuDNN gives a conv's result for a `t` laid out so: channels-last for a channels-last `t`"
+    return torch.channels_last if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+
 @contextlib.contextmanager
 def cudnn_layouts():
     """The Triton path's convs on `meta` tensors return what cuDNN's return on CUDA: channels-last outputs and gradients
@@ -57,8 +61,7 @@ def cudnn_layouts():
     aten, real = torch.ops.aten, (torch.ops.aten.convolution, torch.ops.aten.convolution_backward)
     def cl(t, like):   # a fresh `meta` tensor (no copy: nothing is counted) in `like`'s layout
         if t is None or t.dim() != 4: return t
-        fmt = torch.channels_last if like.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
-        return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt)
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=_layout(like))
     def conv(x, w, *args): return cl(real[0](x, w, *args), x)
     def conv_bwd(dy, x, w, *args):
         dx, dw, db = real[1](dy, x, w, *args)
@@ -66,10 +69,6 @@ def cudnn_layouts():
     aten.convolution, aten.convolution_backward = conv, conv_bwd
     try: yield
     finally: aten.convolution, aten.convolution_backward = real
-
-def _layout(t):
-    "The layout cuDNN gives a conv's result for a `t` laid out so: channels-last for a channels-last `t`"
-    return torch.channels_last if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
 
 @contextlib.contextmanager
 def stubbed_convs():

@@ -44,7 +44,7 @@ def test_the_last_steps_autograd_graph_is_let_go_before_each_step():
             def before_batch(self):
                 if self.training and self.iter > 0:
                     held.append([getattr(self.learn, n).grad_fn is not None for n in ('pred', 'loss', 'loss_grad')])
-        learn = tiny_learner().to_channelslast(use_amp=False, graphs=graphs)
+        learn = tiny_learner().to_channelslast(graphs=graphs)   # the default AMP
         with warnings.catch_warnings(): warnings.simplefilter('ignore'); _fit(learn, Look())
         assert held and all(h == [not graphs] * 3 for h in held), (graphs, held)
 

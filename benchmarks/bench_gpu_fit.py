@@ -131,7 +131,11 @@ class Group:
             if cuda:   # what the fit adds to what is allocated, plus what this Learner already held: its own peak
                 self.sync(); before, own = torch.cuda.memory_allocated(), _own_bytes(learn); torch.cuda.reset_peak_memory_stats()
             from clfast.triton_kernels import launching
+            from clfast import fused
+            known = set(fused._ways)
             with learn.no_logging(), learn.no_bar(), launching(LAUNCH.get(setup, 'jit')): learn.fit(1, cbs=[clock])
+            # the 'timed' layers this fit chose (shapes an earlier setup chose for are not counted again)
+            chose = [('graphed' in k[:2], w) for k, w in fused._ways.items() if k not in known]
             if cuda: self.peak[setup] = (torch.cuda.max_memory_allocated() - before + own) / 2**30
         if first:
             self.first_s[setup] = clock.t0 - clock.start
@@ -141,6 +145,11 @@ class Group:
         if graphs is not None and not self.notes[setup]:
             retried = f", captured at a second try (the first: {graphs.retried[0][:100]})" if graphs.retried else ''
             self.notes[setup] = [f"{graphs.captured} shape(s) replayed{retried}"]
+        if first and chose:
+            for graphed in (False, True):
+                ways = [w for g, w in chose if g == graphed]
+                if ways: self.notes[setup].append(f"{'graph' if graphed else 'eager'} layers timed {ways.count('fused')} "
+                                                  f"fused / {ways.count('stock')} stock")
         return self.args.steps * self.key[1] / (clock.t1 - clock.t0)
 
     def run(self, log):

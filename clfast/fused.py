@@ -4,7 +4,7 @@
 
 # %% ../nbs/23_fused.ipynb #19ec5d01
 from __future__ import annotations
-import copy, functools, warnings
+import contextlib, copy, functools, warnings
 import torch
 from torch import nn, Tensor
 from .act import ACTS, get_act, act_of
@@ -13,13 +13,13 @@ from .reference import ConvGeometry
 from .bad_kernels import GuardPlan, route
 from .routes import call_plan, guarded_conv
 from .guard import IMPRECISE_CL_BATCH_NORM
-from .timing import Timing, time_pair, decide, timings
+from .timing import Timing, DeviceClock, time_pair, decide, timings
 from .stock import AsStock, rebuilt
 from .bn import is_sync_bn, sync_group, bn_args, bn_state, stock_class, _qual, _BN_ACT, _SYNC_BN_ACT
 
 # %% auto #0
-__all__ = ['MODES', 'LAYER_WAYS', 'check_mode', 'conv_geometry', 'conv_bn_act', 'set_layer_way', 'layer_ways', 'FusedConvBN2d',
-           'PassThroughBN2d', 'PassThroughReLU', 'fusable_bn', 'pass_through']
+__all__ = ['MODES', 'LAYER_WAYS', 'check_mode', 'conv_geometry', 'conv_bn_act', 'steps_for_graphs', 'set_layer_way', 'layer_ways',
+           'FusedConvBN2d', 'PassThroughBN2d', 'PassThroughReLU', 'fusable_bn', 'pass_through']
 
 # %% ../nbs/23_fused.ipynb #8f2ef1f6
 MODES = ('speed', 'memory')
@@ -84,6 +84,18 @@ def _stock_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
 LAYER_WAYS = ('fused', 'stock', 'timed')
 _layer_way = 'timed'
 _ways: dict[tuple, str] = {}      # this process's choices by `_layer_key`: the per-call path reads this, not `decide`'s cache
+_for_graphs = False   # the steps now running are a CUDA graph's warm-up or capture (`steps_for_graphs`)
+
+@contextlib.contextmanager
+def steps_for_graphs():
+    """Inside the block, the steps are ones a CUDA graph will replay (`clfast.graphs`): a 'timed' CUDA layer is chosen
+    by the GPU's time alone (`DeviceClock`), since a replay issues nothing from the host. Eager steps weigh the host's
+    issue time too, and where it bounds them (a small batch) they choose the stock way for layers whose fused kernels
+    take less GPU time: the way a graph should replay"""
+    global _for_graphs
+    old, _for_graphs = _for_graphs, True
+    try: yield
+    finally: _for_graphs = old
 
 def set_layer_way(how:str) -> str:
     "Run fused layers 'fused' (clfast's op), 'stock' (what `to_channelslast()` runs unfused) or 'timed' (the faster per layer shape, timed once per machine: the default); returns the previous setting"
@@ -107,7 +119,8 @@ def _gpu_name(index:int|None) -> str: return torch.cuda.get_device_name(index)  
 def _layer_key(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, grad:bool) -> tuple:
     "What the choice depends on: shapes, geometry, dtype under autocast, activation, residual, BN mode, gradients"
     dt = autocast_dtype(x)
-    where = (_gpu_name(x.device.index),) if x.is_cuda else ()   # the machine's key names its CPU, not its GPUs
+    # the machine's key names its CPU, not its GPUs; a graph's layers are chosen by another clock (`steps_for_graphs`)
+    where = ((_gpu_name(x.device.index), 'graphed') if _for_graphs else (_gpu_name(x.device.index),)) if x.is_cuda else ()
     return (*where, tuple(x.shape), tuple(conv.weight.shape), conv.stride, conv.padding, conv.dilation, conv.groups,
             str(dt), a.name, act_param, residual is not None, bn.training, grad)
 
@@ -148,8 +161,10 @@ def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
             if grad: out.backward(torch.ones_like(out))
         return f
     geom = conv_geometry(conv)
-    sync = (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else None   # a GPU's time is the host's and the device's
-    return time_pair(run(lambda *args: _fused_layer(*args, keep_y=True, geom=geom)), run(_stock_layer), sync)
+    fused_run, stock_run = run(lambda *args: _fused_layer(*args, keep_y=True, geom=geom)), run(_stock_layer)
+    if x.is_cuda and _for_graphs: return time_pair(fused_run, stock_run, clock=DeviceClock(x.device))   # a replay's: the GPU's
+    # an eager step's time on a GPU: the host's and the device's
+    return time_pair(fused_run, stock_run, (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else None)
 
 # %% ../nbs/23_fused.ipynb #3bba664d
 class _FusedMixin(AsStock):

@@ -12,6 +12,7 @@ from fastcore.basics import store_attr
 from fastai.callback.core import Callback
 from fastai.torch_core import to_detach
 from .core import ClfastWarning, is_compiled
+from .fused import steps_for_graphs
 
 # %% auto #0
 __all__ = ['WARM_STEPS', 'not_graphable', 'GraphedForward', 'CudaGraphs']
@@ -187,8 +188,10 @@ class GraphedForward:
             self.graphs.clear(); self.seen.clear(); graph = None
         if graph is None:
             self.seen[key] = n = self.seen.get(key, 0) + 1
-            if n <= self.warm or len(self.graphs) >= self.max_graphs: return self.forward(*args)
-            graph = self._capture(key, args)
+            if len(self.graphs) >= self.max_graphs: return self.forward(*args)   # eager for good: an eager step's ways
+            with steps_for_graphs():   # the warm-up and the capture: fused layers chosen for a replay
+                if n <= self.warm: return self.forward(*args)
+                graph = self._capture(key, args)
             if graph is None: return self.forward(*args)
         return graph.replay(args)
 

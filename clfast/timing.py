@@ -13,7 +13,7 @@ except ImportError: fcntl = None
 
 # %% auto #0
 __all__ = ['MARGIN', 'ALPHA', 'MIN_PAIRS', 'MAX_PAIRS', 'TIMINGS', 'LOCK_TIMEOUT', 'sign_test', 'verdict', 'Timing', 'time_pair',
-           'paired_ratio', 'measuring', 'decide', 'timings', 'forget_timings', 'report']
+           'paired_ratio', 'DeviceClock', 'measuring', 'decide', 'timings', 'forget_timings', 'report']
 
 # %% ../nbs/04a_timing.ipynb #cf53f735
 MARGIN = 0.95               # the candidate is chosen only where it takes at most this fraction of the default's time
@@ -76,6 +76,43 @@ def paired_ratio(default:Callable, candidate:Callable, pairs:int, sync:Callable|
     "`(median ratio, the default's median time)` over exactly `pairs` pairs: the same pairs for a benchmark's figure, which decides nothing"
     got = [p for p, _ in zip(_pairs(default, candidate, sync, time.perf_counter), range(pairs))]
     return statistics.median(r for r, _ in got), statistics.median(d for _, d in got)
+
+class DeviceClock:
+    """A `time_pair` clock of a CUDA GPU's own time, for work a CUDA graph will replay (where the host's issue time is
+    gone). Read before a call, it queues a sleep kernel long enough for the host to issue the whole call behind it,
+    then a start event; read after, an end event, waited for: the call's kernels ran back to back, and what it adds is
+    the GPU's time alone (seconds, summed over the calls). A call whose issue outlasted half the sleep makes the sleeps
+    longer (the GPU may have waited for the host in that one)"""
+    def __init__(self, device, sleep_s:float=0.005):
+        import torch   # here: the CPU's timings need no torch at import
+        self.torch, self.device, self.sleep_s, self.total, self.started = torch, torch.device(device), sleep_s, 0., None
+
+    def __call__(self) -> float:
+        cuda = self.torch.cuda
+        with cuda.device(self.device):
+            if self.started is None:
+                cuda._sleep(int(self.sleep_s * _sleep_cycles_per_s(self.device.index)))
+                start = cuda.Event(enable_timing=True)
+                start.record()
+                self.started = start, time.perf_counter()
+            else:
+                (start, issue_t0), end = self.started, cuda.Event(enable_timing=True)
+                end.record()
+                issued, self.started = time.perf_counter() - issue_t0, None
+                end.synchronize()
+                self.total += start.elapsed_time(end) / 1e3
+                if issued > self.sleep_s / 2: self.sleep_s = min(4 * issued, 0.25)
+        return self.total
+
+_cycles: dict[int, float] = {}
+def _sleep_cycles_per_s(index:int) -> float:
+    "How many of `torch.cuda._sleep`'s cycles GPU `index` spins a second, measured once"
+    if index not in _cycles:
+        import torch
+        start, end, n = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 10_000_000
+        start.record(); torch.cuda._sleep(n); end.record(); end.synchronize()
+        _cycles[index] = n / (start.elapsed_time(end) / 1e3)
+    return _cycles[index]
 
 # %% ../nbs/04a_timing.ipynb #754c3a24
 TIMINGS = 'timings'    # the `MachineCache` of every timed decision

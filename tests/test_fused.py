@@ -496,3 +496,23 @@ def test_a_capture_takes_the_way_the_eager_steps_took():
         with torch.cuda.graph(g, stream=s): way = fused._way(x, layer, bn, None, a, 0., True)
         assert way == other
     finally: fused._ways[key] = taken
+
+@pytest.mark.cuda
+def test_a_graphs_steps_choose_their_layers_by_the_gpus_time():
+    """Inside `steps_for_graphs` (a CUDA graph's warm-up and capture: `clfast.graphs`) a 'timed' layer is timed by the
+    GPU's clock (`DeviceClock`), its choice kept apart from the eager steps': a replay issues nothing from the host, so
+    the eager choice, the host's time in it, is not the replay's"""
+    from clfast import fused
+    layer = FusedConvBN2d(24, 24, 3, padding=1).cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(6, 24, 8, 8, device='cuda').to(memory_format=torch.channels_last).requires_grad_()
+    a, bn = fused.get_act(layer.act), layer.fused_bn
+    eager = fused._layer_key(x, layer, bn, None, a, 0., True)
+    with fused.steps_for_graphs(): key = fused._layer_key(x, layer, bn, None, a, 0., True)
+    assert key == (eager[0], 'graphed', *eager[1:])
+    timing.forget_timings(f"layer:{key}"); fused._ways.pop(key, None)   # this machine's earlier answer: measured again
+    clocks = []
+    def clock(device):
+        clocks.append(timing.DeviceClock(device)); return clocks[-1]
+    with mock.patch.object(fused, 'DeviceClock', clock), fused.steps_for_graphs(): layer(x)   # a spy: the real clock runs
+    assert key in fused._ways and len(clocks) == 1 and clocks[0].total > 0
+    assert not fused._for_graphs

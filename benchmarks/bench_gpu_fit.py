@@ -53,19 +53,26 @@ SETUPS = {   # name: (what it does, its description)
     'speed+graphs':   (lambda l, d: l.to_channelslast(amp_mode=d, fuse='speed', graphs=True), "clfast fuse='speed', graphs=True"),
     'speed+compile':  (lambda l, d: l.to_channelslast(amp_mode=d, fuse='speed', compile=True), "clfast fuse='speed', compile=True"),
 }
+COMPILED = {'compile-cl', 'speed+compile'}   # setups that torch.compile (about a minute each)
 LAUNCH = {'speed-compiled': 'compiled'}   # setups whose fits launch Triton's kernels another way than Triton's own
-CORE = ['stock-cl', 'fastai', 'clfast', 'speed', 'graphs', 'speed+graphs', 'memory']   # every row; the rest where it pays
+GOALS = ['stock-cl', 'fastai', 'clfast', 'speed+graphs']   # what issue 34's done-when compares: in every group first run
+LATER = ['speed', 'graphs', 'contiguous', 'speed-compiled', 'speed+compile']   # the other setups, once the goals' rows ran
 
 def plan(models, batch_sizes, dtypes) -> list:
-    """Groups (model, batch, dtype, setups) in priority order: the first model's (the issue's goals), then its compiled
-    setups at the largest batch beside stock and clfast's best eager one (a compile takes about a minute), then the rest"""
-    first, last, big, small = models[0], models[1:], max(batch_sizes), min(batch_sizes)
-    # where the host bounds the step (the small batch), the fused layers also with the compiled kernels called directly
-    groups = [(first, bs, dt, CORE + ['contiguous'] + (['speed-compiled'] if bs == small else []))
-              for bs in batch_sizes for dt in dtypes]
-    groups += [(first, big, dt, ['stock-cl', 'speed+graphs', 'compile-cl'] + (['speed+compile'] if i == 0 else []))
-               for i, dt in enumerate(dtypes)]
-    groups += [(m, bs, dt, [s for s in CORE if s != 'memory'] + ['contiguous']) for m in last for bs in batch_sizes for dt in dtypes]
+    """Groups (model, batch, dtype, setups) in priority order: first the rows issue 34's done-when compares (a GPU
+    session has about one call of 9 minutes): for the first model, clfast's best setup without compile against
+    `torch.compile` at the largest batch and against fastai's `to_channelslast()` at the smallest, 'memory', the
+    default against fastai's, and at the smallest batch the eager fused ways (Triton's launch and the compiled kernels'),
+    where the host bounds the step; then the other models' against stock; then every other setup"""
+    first, big, small = models[0], max(batch_sizes), min(batch_sizes)
+    def goals(m, bs, dt):
+        if m != first: return list(GOALS)
+        return (GOALS + ['memory'] + (['compile-cl'] if bs == big else [])
+                + (['graphs'] + (['speed', 'speed-compiled'] if dt == dtypes[0] else []) if bs == small else []))
+    groups = [(m, bs, dt, goals(m, bs, dt)) for m in models for dt in dtypes for bs in batch_sizes]
+    # then the rest, each beside stock channels-last (a group's ratios are its own rounds')
+    later = lambda m, bs, dt: [s for s in LATER if s not in goals(m, bs, dt) and (s != 'speed+compile' or (m == first and bs == big and dt == dtypes[0]))]
+    groups += [(m, bs, dt, ['stock-cl'] + later(m, bs, dt)) for m in models for dt in dtypes for bs in batch_sizes]
     return groups
 
 def make_model(name:str) -> nn.Module:
@@ -199,10 +206,10 @@ def table(groups, results) -> str:
     order = {s: i for i, s in enumerate(SETUPS)}
     for i, (m, bs, dt, setups) in sorted(enumerate(groups), key=lambda ig: (ig[1][0], -ig[1][1], ig[1][2], ig[0])):
         got_group = results.get(i)
-        again = any(h[:3] == (m, bs, dt) for h in groups[:i])   # measured again beside the compiled setups
+        again = any(h[:3] == (m, bs, dt) for h in groups[:i])   # a later group's: its rows beside its own stock rounds
         for s in sorted(setups, key=order.get):
             got = None if got_group is None else got_group.get(s)
-            name = SETUPS[s][1] + (' (again, beside compile)' if again and 'compile' not in s else '')
+            name = SETUPS[s][1] + (' (again, in a later group)' if again and s == 'stock-cl' else '')
             if got is None: out.append(f"| {m} | {bs} | {dt} | {name} | not run (budget) | | | | | |"); continue
             if 'error' in got: out.append(f"| {m} | {bs} | {dt} | {name} | failed | | | | | {got['error']} |"); continue
             ratio = lambda b: '' if got['ratio'][b] is None else f"{got['ratio'][b]:.2f}"
@@ -243,7 +250,7 @@ def main(argv=None):
     try:
         for i, (m, bs, dt, setups) in enumerate(groups):
             left = args.budget - (time.perf_counter() - start)
-            if left < 20 + 60 * sum('compile' in s for s in setups): continue   # a compile takes about a minute; a group less
+            if left < 20 + 60 * len(COMPILED & set(setups)): continue   # a compile takes about a minute; a group less
             group = Group(m, bs, dt, setups, args, bases)
             try: left_gib = group.run(lambda line: print(line, flush=True))
             finally: results[i] = group.results()

@@ -81,11 +81,14 @@ class DeviceClock:
     """A `time_pair` clock of a CUDA GPU's own time, for work a CUDA graph will replay (where the host's issue time is
     gone). Read before a call, it queues a sleep kernel long enough for the host to issue the whole call behind it,
     then a start event; read after, an end event, waited for: the call's kernels ran back to back, and what it adds is
-    the GPU's time alone (seconds, summed over the calls). A call whose issue outlasted half the sleep makes the sleeps
-    longer (the GPU may have waited for the host in that one)"""
-    def __init__(self, device, sleep_s:float=0.005):
+    the GPU's time alone (seconds, summed over the calls). Each sleep is 4x the last call's issue time (within
+    `SLEEP_S`); a call the GPU reached the start of before the host had issued it (the sleep too short: the GPU may have
+    waited in it) is counted in `overran` and makes the next sleep longer"""
+    SLEEP_S = (0.002, 0.25)   # the shortest and longest sleep, seconds
+    def __init__(self, device, sleep_s:float=0.01):
         import torch   # here: the CPU's timings need no torch at import
-        self.torch, self.device, self.sleep_s, self.total, self.started = torch, torch.device(device), sleep_s, 0., None
+        self.torch, self.device, self.sleep_s = torch, torch.device(device), sleep_s
+        self.total, self.started, self.overran = 0., None, 0
 
     def __call__(self) -> float:
         cuda = self.torch.cuda
@@ -97,19 +100,23 @@ class DeviceClock:
                 self.started = start, time.perf_counter()
             else:
                 (start, issue_t0), end = self.started, cuda.Event(enable_timing=True)
+                overran = start.query()   # the sleep ended before the host had issued the call (exact, whatever the clocks)
                 end.record()
                 issued, self.started = time.perf_counter() - issue_t0, None
                 end.synchronize()
                 self.total += start.elapsed_time(end) / 1e3
-                if issued > self.sleep_s / 2: self.sleep_s = min(4 * issued, 0.25)
+                self.overran += overran
+                lo, hi = self.SLEEP_S
+                self.sleep_s = min(max(4 * issued, 2 * self.sleep_s if overran else lo), hi)
         return self.total
 
 _cycles: dict[int, float] = {}
 def _sleep_cycles_per_s(index:int) -> float:
-    "How many of `torch.cuda._sleep`'s cycles GPU `index` spins a second, measured once"
+    "How many of `torch.cuda._sleep`'s cycles GPU `index` spins a second, measured once (after a sleep that wakes its clocks)"
     if index not in _cycles:
         import torch
-        start, end, n = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 10_000_000
+        start, end, n = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), 20_000_000
+        torch.cuda._sleep(n)
         start.record(); torch.cuda._sleep(n); end.record(); end.synchronize()
         _cycles[index] = n / (start.elapsed_time(end) / 1e3)
     return _cycles[index]

@@ -478,41 +478,44 @@ def test_a_nan_or_inf_batch_is_as_stock(bad, act, res):
         assert all(torch.equal(p, q) for p, q in zip(pattern(a), pattern(b)))
 
 @pytest.mark.cuda
-def test_a_capture_takes_the_way_the_eager_steps_took():
+def test_a_capture_takes_the_way_the_eager_steps_took(tmp_path, monkeypatch):
     """Inside a CUDA graph's capture a fused layer runs the way its eager steps took: a way no step ran would compile
     kernels or allocate their constants inside the capture, which fails it (`clfast.graphs`)"""
-    from clfast import fused
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(fused_mod, '_ways', {}); monkeypatch.setattr(timing, '_here', {})
     layer = FusedConvBN2d(16, 16, 3, padding=1).cuda().to(memory_format=torch.channels_last)
     x = torch.randn(8, 16, 8, 8, device='cuda').to(memory_format=torch.channels_last).requires_grad_()
-    a, bn = fused.get_act(layer.act), layer.fused_bn
-    layer(x)   # the eager step: 'timed' (the default) times this layer's two ways
-    key = fused._layer_key(x, layer, bn, None, a, 0., True)
-    taken = fused._ways[key]
-    other = {'fused': 'stock', 'stock': 'fused'}[taken]
-    fused._ways[key] = other   # stands for the other choice (the timing's, which this GPU may not make): what a capture takes
-    try:
+    a, bn = fused_mod.get_act(layer.act), layer.fused_bn
+    with layer_way('timed'):   # (this module runs 'fused' otherwise)
+        layer(x)   # the eager step: times this layer's two ways
+        key = fused_mod._layer_key(x, layer, bn, None, a, 0., True)
+        other = {'fused': 'stock', 'stock': 'fused'}[fused_mod._ways[key]]
+        fused_mod._ways[key] = other   # stands for the other choice (the timing's, which this GPU may not make): what a capture takes
         s, g = torch.cuda.Stream(), torch.cuda.CUDAGraph()
         s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.graph(g, stream=s): way = fused._way(x, layer, bn, None, a, 0., True)
+        with torch.cuda.graph(g, stream=s): way = fused_mod._way(x, layer, bn, None, a, 0., True)
         assert way == other
-    finally: fused._ways[key] = taken
 
 @pytest.mark.cuda
-def test_a_graphs_steps_choose_their_layers_by_the_gpus_time():
+def test_a_graphs_steps_choose_their_layers_by_the_gpus_time(tmp_path, monkeypatch):
     """Inside `steps_for_graphs` (a CUDA graph's warm-up and capture: `clfast.graphs`) a 'timed' layer is timed by the
     GPU's clock (`DeviceClock`), its choice kept apart from the eager steps': a replay issues nothing from the host, so
     the eager choice, the host's time in it, is not the replay's"""
-    from clfast import fused
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(fused_mod, '_ways', {}); monkeypatch.setattr(timing, '_here', {})
     layer = FusedConvBN2d(24, 24, 3, padding=1).cuda().to(memory_format=torch.channels_last)
     x = torch.randn(6, 24, 8, 8, device='cuda').to(memory_format=torch.channels_last).requires_grad_()
-    a, bn = fused.get_act(layer.act), layer.fused_bn
-    eager = fused._layer_key(x, layer, bn, None, a, 0., True)
-    with fused.steps_for_graphs(): key = fused._layer_key(x, layer, bn, None, a, 0., True)
+    a, bn = fused_mod.get_act(layer.act), layer.fused_bn
+    eager = fused_mod._layer_key(x, layer, bn, None, a, 0., True)
+    with fused_mod.steps_for_graphs(): key = fused_mod._layer_key(x, layer, bn, None, a, 0., True)
     assert key == (eager[0], 'graphed', *eager[1:])
-    timing.forget_timings(f"layer:{key}"); fused._ways.pop(key, None)   # this machine's earlier answer: measured again
     clocks = []
     def clock(device):
         clocks.append(timing.DeviceClock(device)); return clocks[-1]
-    with mock.patch.object(fused, 'DeviceClock', clock), fused.steps_for_graphs(): layer(x)   # a spy: the real clock runs
-    assert key in fused._ways and len(clocks) == 1 and clocks[0].total > 0
-    assert not fused._for_graphs
+    monkeypatch.setattr(fused_mod, 'DeviceClock', clock)   # a spy: the real clock runs
+    with layer_way('timed'):
+        with fused_mod.steps_for_graphs(): layer(x)
+        assert set(fused_mod._ways) == {key} and len(clocks) == 1 and clocks[0].total > 0
+        layer(x)   # an eager step: timed again, by the host's and the GPU's time together, under its own key
+        assert set(fused_mod._ways) == {key, eager} and len(clocks) == 1
+    assert not fused_mod._for_graphs

@@ -129,19 +129,21 @@ def test_an_unwritable_cache_still_decides(tmp_path, monkeypatch):
 @pytest.mark.cuda
 def test_device_clock_reads_the_gpus_time_not_the_hosts():
     """`DeviceClock` reads what a CUDA graph's replay would take: the host's time between two tiny kernels is not in it,
-    a large matrix product's GPU time is; a call whose host time outlasted the sleep lengthens the sleeps after it"""
+    a large matrix product's GPU time is; a call the host issued over longer than the sleep is said (`overran`) and
+    lengthens the sleep after it"""
     import torch
     a, m = torch.zeros(1, device='cuda'), torch.randn(4096, 4096, device='cuda')
-    clock = timing.DeviceClock('cuda')
+    clock = timing.DeviceClock(torch.device('cuda', torch.cuda.current_device()))
     def read(f):
         t0 = clock(); f(); return clock() - t0
     def host_bound(s): return lambda: (a.add_(1), time.sleep(s), a.add_(1))
     def gpu_bound():
         for _ in range(10): m @ m
+    assert read(host_bound(0.001)) < 5e-4 and clock.overran == 0   # issued within the first sleep (10 ms)
+    read(host_bound(0.02))   # issued over longer than the sleep (4x the last call's issue time): the GPU waited
+    assert clock.overran == 1 and clock.sleep_s >= 0.04
+    assert read(host_bound(0.02)) < 5e-4 and clock.overran == 1
     read(gpu_bound)   # cuBLAS's first call
-    assert read(host_bound(0.001)) < 5e-4
-    read(host_bound(0.02))   # issued over longer than the 5 ms sleep: the GPU waited for the host in this one
-    assert clock.sleep_s >= 0.04 and read(host_bound(0.02)) < 5e-4
     torch.cuda.synchronize(); t = time.perf_counter(); gpu_bound(); torch.cuda.synchronize()
     wall = time.perf_counter() - t
     assert 0.5 * wall < read(gpu_bound) < 1.1 * wall

@@ -24,6 +24,10 @@ if ! "$PY" -c 'import fastai' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
+# tests of files that run with the rest, but never ran on a GPU: in the first test step
+FIRST="tests/test_fused.py::test_a_capture_takes_the_way_the_eager_steps_took \
+tests/test_fused.py::test_a_graphs_steps_choose_their_layers_by_the_gpus_time \
+tests/test_ops.py::test_compiled_launches_are_tritons_cuda"
 failed=0
 left() { echo $((BUDGET - SECONDS)); }
 step() {   # step NAME SECONDS COMMAND...
@@ -41,8 +45,18 @@ torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
 for s in $STEPS; do
   case $s in
     build) step build 150 "$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))" ;;
-    tests) step cuda-tests "$(( $(left) < TESTS_S ? $(left) : TESTS_S ))" "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short --durations=8 -m cuda \
-      tests/test_graphs.py $(ls tests/test_*.py | grep -v test_graphs) ;;   # CUDA graphs' first: the open question
+    # the CUDA tests in two steps: first those that never ran on a GPU or answer the open questions (CUDA graphs, the
+    # clocks, the launch counts, the offline compile, the compiled launches), then the rest in what time is left
+    tests)
+      t0=$SECONDS
+      step cuda-tests-first "$(( $(left) < TESTS_S ? $(left) : TESTS_S ))" "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short \
+        --durations=5 -m cuda tests/test_graphs.py tests/test_timing.py tests/test_host_cost.py tests/test_gpu_report.py $FIRST
+      rest=$(( TESTS_S - (SECONDS - t0) )); [ "$rest" -gt "$(left)" ] && rest=$(left)
+      if [ "$rest" -gt 20 ]; then
+        step cuda-tests-rest "$rest" "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short --durations=5 -m cuda \
+          $(ls tests/test_*.py | grep -v -e test_graphs -e test_timing -e test_host_cost -e test_gpu_report) \
+          $(for t in $FIRST; do echo "--deselect $t"; done)
+      else echo "== cuda-tests-rest: not run (${rest}s of TESTS_S left)"; fi ;;
     fit) step fit "$(left)" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 90 ))" ;;   # 60 s kept for host
     # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes
     host) [ "$(left)" -gt 60 ] && step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50 ;;

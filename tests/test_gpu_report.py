@@ -95,6 +95,7 @@ def test_occupancy():
     assert gr.bytes_needed(h100) == 30455 and gr.bytes_needed(a100) == 22656   # 2 x bandwidth x 600 ns / SMs
 
 @pytest.mark.cuda
+@pytest.mark.usefixtures('fused_way')   # the fused op's launches, not the stock way's nor the per-layer timing's
 def test_offline_compile_matches_the_gpu():
     "On a GPU, the registers the JIT's kernels get are those the offline compile reports (same Triton, same ptxas)"
     major, minor = torch.cuda.get_device_capability()
@@ -107,7 +108,7 @@ def test_offline_compile_matches_the_gpu():
     with gr.recording() as launches:
         conv_bn_act(x.requires_grad_(), conv, bn, act='relu').float().sum().backward()
     torch.cuda.synchronize()
-    assert len(launches) == 7
+    assert [l.name for l in launches] == ['_stats', '_fwd', '_bwd_sums', '_bwd_dx']   # a training step's four launches
     for l in launches:
         k = l.kernel.warmup(*l.args, grid=l.grid, **l.meta)
         k._init_handles()

@@ -155,24 +155,10 @@ def _cuda_learner(n=160, bs=16, **kw):
 def test_graphed_fit_trains_as_eager(fuse, amp_mode):
     """A graphed fit captures the steady training shape once, replays it, and trains as the eager fit does: BN's running
     statistics (each batch counted once, none by the capture's warm-up) and the weights, to what the precision explains"""
-    runs = []
-    for graphs in (False, True):
-        torch.manual_seed(0)
-        learn = _cuda_learner().to_channelslast(amp_mode=amp_mode, fuse=fuse, graphs=graphs)
-        counted = []
-        class Count(Callback):
-            order = 20
-            def after_batch(self):
-                if self.training and graphs: counted.append(learn.cuda_graphs.captured)
-        with warnings.catch_warnings(record=True) as rec:
-            warnings.simplefilter('always')
-            _fit(learn, Count(), epochs=2)
-        assert not [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
-        if graphs: assert counted[-2] == 1 and counted[0] == 0   # eager while warming, replayed once steady
-        if graphs: assert learn.cuda_graphs.retried == []   # captured at the first try (no retry hides a failure)
-        bn = learn.model[0][1]
-        runs.append((bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.item(),
-                     [p.detach().float().clone() for p in learn.model.parameters()], learn.recorder.losses))
+    runs, way = [], set_layer_way('fused')   # (both fits run the same layers: 'timed' chooses a graph's by the GPU's
+    try:                                       # time alone, an eager step's by the host's too; tests/test_fused.py has it)
+        for graphs in (False, True): runs.append(_graphed_or_eager_fit(amp_mode, fuse, graphs))
+    finally: set_layer_way(way)
     (m0, v0, n0, p0, l0), (m1, v1, n1, p1, l1) = runs
     assert n0 == n1 == 16
     eps = {'fp16': 2**-10, 'bf16': 2**-7}[amp_mode] * 8
@@ -180,9 +166,28 @@ def test_graphed_fit_trains_as_eager(fuse, amp_mode):
     for a, b in zip(p0, p1): assert torch.allclose(a, b, rtol=eps, atol=eps * a.abs().max().item())
     assert len(l0) == len(l1)
 
+def _graphed_or_eager_fit(amp_mode, fuse, graphs):
+    "A fit of `_cuda_learner` from CUDA graphs or eagerly: BN's running statistics and count, the weights, the losses"
+    torch.manual_seed(0)
+    learn = _cuda_learner().to_channelslast(amp_mode=amp_mode, fuse=fuse, graphs=graphs)
+    counted = []
+    class Count(Callback):
+        order = 20
+        def after_batch(self):
+            if self.training and graphs: counted.append(learn.cuda_graphs.captured)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        _fit(learn, Count(), epochs=2)
+    assert not [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+    if graphs: assert counted[-2] == 1 and counted[0] == 0   # eager while warming, replayed once steady
+    if graphs: assert learn.cuda_graphs.retried == []   # captured at the first try (no retry hides a failure)
+    bn = learn.model[0][1]
+    return (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.item(),
+            [p.detach().float().clone() for p in learn.model.parameters()], learn.recorder.losses)
+
 @pytest.mark.cuda
 def test_replayed_step_gradients_against_fp64():
-    "The gradients of a step replayed from a graph (fp32, fused), against fp64 at the same weights"
+    "The gradients of a step replayed from a graph (fp32, `fuse='speed'`: its layers as 'timed' chooses them for a replay), against fp64 at the same weights"
     from clfast.check import grad_error
     learn = _cuda_learner().to_channelslast(use_amp=False, fuse='speed', graphs=True)
     errors = []

@@ -364,6 +364,8 @@ def test_compiled_launches_are_tritons_cuda(dt):
 
 @pytest.mark.cuda
 def test_opcheck_cuda():
+    # the composite op's kernel is the C++ library's: loaded here, not by whichever test ran before
+    if not ops.kernels_ready(): pytest.skip("clfast::conv_bn_act's kernel is the C++ library's, which did not load here")
     to = lambda a: tuple(t.cuda() if isinstance(t, torch.Tensor) else t for t in a)
     torch.library.opcheck(torch.ops.clfast.layer_fwd.default, to(_op_args()))
     torch.library.opcheck(torch.ops.clfast.conv_bn_act.default, to(_layer_args()))

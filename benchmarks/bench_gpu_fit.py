@@ -51,6 +51,7 @@ SETUPS = {   # name: (what it does, its description)
     'memory':         (lambda l, d: l.to_channelslast(amp_mode=d, fuse='memory'), "clfast fuse='memory'"),
     'graphs':         (lambda l, d: l.to_channelslast(amp_mode=d, graphs=True), "clfast graphs=True"),
     'speed+graphs':   (lambda l, d: l.to_channelslast(amp_mode=d, fuse='speed', graphs=True), "clfast fuse='speed', graphs=True"),
+    'memory+graphs':  (lambda l, d: l.to_channelslast(amp_mode=d, fuse='memory', graphs=True), "clfast fuse='memory', graphs=True"),
     'speed+compile':  (lambda l, d: l.to_channelslast(amp_mode=d, fuse='speed', compile=True), "clfast fuse='speed', compile=True"),
 }
 COMPILED = {'compile-cl', 'speed+compile'}   # setups that torch.compile (about a minute each)
@@ -62,13 +63,13 @@ def plan(models, batch_sizes, dtypes) -> list:
     """Groups (model, batch, dtype, setups) in priority order: first the rows issue 34's done-when compares (a GPU
     session has about one call of 9 minutes): for the first model, clfast's best setup without compile against
     `torch.compile` at the largest batch and against fastai's `to_channelslast()` at the smallest, 'memory', the
-    default against fastai's, and at the smallest batch the eager fused ways (Triton's launch and the compiled kernels'),
-    where the host bounds the step; then the other models' against stock; then every other setup"""
+    default against fastai's, and at the smallest batch, where the host bounds the step, 'memory' with graphs and the
+    eager fused ways (Triton's launch and the compiled kernels'); then the other models' against stock; then every other setup"""
     first, big, small = models[0], max(batch_sizes), min(batch_sizes)
     def goals(m, bs, dt):
         if m != first: return list(GOALS)
         return (GOALS + ['memory'] + (['compile-cl'] if bs == big else [])
-                + (['graphs'] + (['speed', 'speed-compiled'] if dt == dtypes[0] else []) if bs == small else []))
+                + (['graphs', 'memory+graphs'] + (['speed', 'speed-compiled'] if dt == dtypes[0] else []) if bs == small else []))
     groups = [(m, bs, dt, goals(m, bs, dt)) for m in models for dt in dtypes for bs in batch_sizes]
     # then the rest, each beside stock channels-last (a group's ratios are its own rounds')
     later = lambda m, bs, dt: [s for s in LATER if s not in goals(m, bs, dt) and (s != 'speed+compile' or (m == first and bs == big and dt == dtypes[0]))]

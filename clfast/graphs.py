@@ -15,10 +15,11 @@ from .core import ClfastWarning, is_compiled
 from .fused import steps_for_graphs
 
 # %% auto #0
-__all__ = ['WARM_STEPS', 'not_graphable', 'GraphedForward', 'CudaGraphs']
+__all__ = ['WARM_STEPS', 'MAX_SHAPES', 'not_graphable', 'GraphedForward', 'CudaGraphs']
 
 # %% ../nbs/29_graphs.ipynb #ce217f15
 WARM_STEPS = 3   # eager steps of a batch signature before it is captured
+MAX_SHAPES = 8   # batch signatures seen before the first capture, at most: more, and the shapes are not settling
 
 def not_graphable(model:nn.Module) -> str|None:
     "Why `model`'s training step cannot be replayed from a CUDA graph, or None; checked before any capture"
@@ -188,6 +189,10 @@ class GraphedForward:
             self.graphs.clear(); self.seen.clear(); graph = None
         if graph is None:
             self.seen[key] = n = self.seen.get(key, 0) + 1
+            if not self.graphs and len(self.seen) > MAX_SHAPES:   # a batch shape that changes at (nearly) every step
+                self.stop(f"the training batches came in {len(self.seen)} shapes in {sum(self.seen.values())} steps, "
+                          f"none {self.warm + 1} times: nothing to capture")
+                return self.forward(*args)
             if len(self.graphs) >= self.max_graphs: return self.forward(*args)   # eager for good: an eager step's ways
             with steps_for_graphs():   # the warm-up and the capture: fused layers chosen for a replay
                 if n <= self.warm: return self.forward(*args)

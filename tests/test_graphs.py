@@ -6,7 +6,7 @@ from torch import nn
 from fastai.vision.all import Learner, CrossEntropyLossFlat, Adam, Callback, set_seed
 from clfast.all import *
 from clfast.core import ClfastWarning, is_compiled
-from clfast.graphs import GraphedForward, not_graphable
+from clfast.graphs import GraphedForward, not_graphable, WARM_STEPS
 from clfast.finder import Setup, BASELINE
 from helpers import image_dls, conv_net, tiny_learner
 
@@ -220,6 +220,23 @@ def test_shape_change_and_hooks_train_eagerly():
     said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
     assert said == ["CudaGraphs: module 1.0 (Conv2d) has hooks, which a replayed graph would not call; training eagerly."]
     assert learn.cuda_graphs.captured == 0 and all(math.isfinite(l) for l in learn.recorder.losses)
+
+@pytest.mark.cuda
+def test_batch_shapes_that_never_settle_train_eagerly_and_say_so():
+    """A batch shape that changes at every step (a callback resizing each batch) leaves nothing to capture: said once,
+    naming it, and every step trains eagerly"""
+    from clfast.graphs import MAX_SHAPES
+    m = conv_net().cuda().train().to(memory_format=torch.channels_last)
+    said = []
+    g = GraphedForward(m, say=said.append)
+    for size in range(8, 8 + MAX_SHAPES + 3):
+        x = torch.randn(4, 3, size, size, device='cuda').to(memory_format=torch.channels_last)
+        out = g(x)
+        out.sum().backward()
+        assert out.shape == (4, 2) and out.grad_fn is not None and torch.isfinite(out).all()
+    assert said == [f"the training batches came in {MAX_SHAPES + 1} shapes in {MAX_SHAPES + 1} steps, none "
+                    f"{WARM_STEPS + 1} times: nothing to capture"]
+    assert g.why == said[0] and g.graphs == {}
 
 @pytest.mark.cuda
 def test_finder_measures_graphed_setups():

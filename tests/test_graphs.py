@@ -6,7 +6,7 @@ from torch import nn
 from fastai.vision.all import Learner, CrossEntropyLossFlat, Adam, Callback, set_seed
 from clfast.all import *
 from clfast.core import ClfastWarning, is_compiled
-from clfast.graphs import GraphedForward, not_graphable, WARM_STEPS
+from clfast.graphs import GraphedForward, not_graphable, WARM_STEPS, MAX_SHAPES
 from clfast.finder import Setup, BASELINE
 from helpers import image_dls, conv_net, tiny_learner
 
@@ -149,41 +149,39 @@ def _cuda_learner(n=160, bs=16, **kw):
     learn.dls.cuda(); learn.model.cuda()
     return learn
 
+# 'fused' layers (not the default 'timed'), so that both fits run the same ones: 'timed' chooses a graph's layers by the
+# GPU's time alone, an eager step's by the host's too (tests/test_fused.py tests that choice)
 @pytest.mark.cuda
 @pytest.mark.parametrize('fuse', [False, 'speed'])
 @pytest.mark.parametrize('amp_mode', ['fp16', 'bf16'])
+@pytest.mark.usefixtures('fused_way')
 def test_graphed_fit_trains_as_eager(fuse, amp_mode):
     """A graphed fit captures the steady training shape once, replays it, and trains as the eager fit does: BN's running
     statistics (each batch counted once, none by the capture's warm-up) and the weights, to what the precision explains"""
-    runs, way = [], set_layer_way('fused')   # (both fits run the same layers: 'timed' chooses a graph's by the GPU's
-    try:                                       # time alone, an eager step's by the host's too; tests/test_fused.py has it)
-        for graphs in (False, True): runs.append(_graphed_or_eager_fit(amp_mode, fuse, graphs))
-    finally: set_layer_way(way)
+    runs = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        learn = _cuda_learner().to_channelslast(amp_mode=amp_mode, fuse=fuse, graphs=graphs)
+        counted = []
+        class Count(Callback):
+            order = 20
+            def after_batch(self):
+                if self.training and graphs: counted.append(learn.cuda_graphs.captured)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter('always')
+            _fit(learn, Count(), epochs=2)
+        assert not [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+        if graphs: assert counted[-2] == 1 and counted[0] == 0   # eager while warming, replayed once steady
+        if graphs: assert learn.cuda_graphs.retried == []   # captured at the first try (no retry hides a failure)
+        bn = learn.model[0][1]
+        runs.append((bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.item(),
+                     [p.detach().float().clone() for p in learn.model.parameters()], learn.recorder.losses))
     (m0, v0, n0, p0, l0), (m1, v1, n1, p1, l1) = runs
     assert n0 == n1 == 16
     eps = {'fp16': 2**-10, 'bf16': 2**-7}[amp_mode] * 8
     assert torch.allclose(m0, m1, rtol=eps, atol=eps) and torch.allclose(v0, v1, rtol=eps, atol=eps)
     for a, b in zip(p0, p1): assert torch.allclose(a, b, rtol=eps, atol=eps * a.abs().max().item())
     assert len(l0) == len(l1)
-
-def _graphed_or_eager_fit(amp_mode, fuse, graphs):
-    "A fit of `_cuda_learner` from CUDA graphs or eagerly: BN's running statistics and count, the weights, the losses"
-    torch.manual_seed(0)
-    learn = _cuda_learner().to_channelslast(amp_mode=amp_mode, fuse=fuse, graphs=graphs)
-    counted = []
-    class Count(Callback):
-        order = 20
-        def after_batch(self):
-            if self.training and graphs: counted.append(learn.cuda_graphs.captured)
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter('always')
-        _fit(learn, Count(), epochs=2)
-    assert not [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
-    if graphs: assert counted[-2] == 1 and counted[0] == 0   # eager while warming, replayed once steady
-    if graphs: assert learn.cuda_graphs.retried == []   # captured at the first try (no retry hides a failure)
-    bn = learn.model[0][1]
-    return (bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.item(),
-            [p.detach().float().clone() for p in learn.model.parameters()], learn.recorder.losses)
 
 @pytest.mark.cuda
 def test_replayed_step_gradients_against_fp64():
@@ -225,7 +223,6 @@ def test_shape_change_and_hooks_train_eagerly():
 def test_batch_shapes_that_never_settle_train_eagerly_and_say_so():
     """A batch shape that changes at every step (a callback resizing each batch) leaves nothing to capture: said once,
     naming it, and every step trains eagerly"""
-    from clfast.graphs import MAX_SHAPES
     m = conv_net().cuda().train().to(memory_format=torch.channels_last)
     said = []
     g = GraphedForward(m, say=said.append)

@@ -171,11 +171,20 @@ def _signature(args:tuple) -> tuple|None:
     return (tuple((a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args),
             torch.is_autocast_enabled('cuda'), torch.get_autocast_dtype('cuda'))
 
+def _check_counts(warm, max_graphs):
+    "A clear error for counts that would capture nothing or never settle, before any step trains"
+    if not (isinstance(warm, int) and warm >= 0):
+        raise ValueError(f"CudaGraphs: warm={warm!r} must be a whole number of eager steps, 0 or more (default {WARM_STEPS})")
+    if not (isinstance(max_graphs, int) and max_graphs >= 1):
+        raise ValueError(f"CudaGraphs: max_graphs={max_graphs!r} would capture nothing: pass 1 or more (a graph per batch "
+                         "shape), or leave CudaGraphs out to train eagerly")
+
 class GraphedForward:
     "`model`'s forward, replayed in training from one CUDA graph per steady batch signature (`max_graphs` at most)"
     def __init__(self, model:nn.Module, warm:int=WARM_STEPS, max_graphs:int=1, say=None):
+        _check_counts(warm, max_graphs)
         self.model, self.forward = model, model.forward
-        self.warm, self.max_graphs, self.say = warm, max_graphs, say or (lambda why: None)
+        self.warm, self.max_graphs, self.say = warm, max_graphs, say or (lambda why, then=None: None)
         self.graphs, self.seen, self.why = {}, {}, not_graphable(model)
         self.retried: list[str] = []   # why captures failed that a second try got past (`_capture`)
 
@@ -193,7 +202,14 @@ class GraphedForward:
                 self.stop(f"the training batches came in {len(self.seen)} shapes in {sum(self.seen.values())} steps, "
                           f"none {self.warm + 1} times: nothing to capture")
                 return self.forward(*args)
-            if len(self.graphs) >= self.max_graphs: return self.forward(*args)   # eager for good: an eager step's ways
+            if len(self.graphs) >= self.max_graphs:   # eager for good: an eager step's ways
+                if n == self.warm + 1:   # steady, as a captured shape was: said (a one-off shape, a short last batch, is not)
+                    shapes = ', '.join('x'.join(map(str, a.shape)) for a in args)
+                    graphs = '1 graph' if self.max_graphs == 1 else f'{self.max_graphs} graphs'
+                    self.say(f"batches of shape {shapes} came steady after the {graphs} that max_graphs allows "
+                             f"{'was' if self.max_graphs == 1 else 'were'} captured (`learn.cuda_graphs.max_graphs = "
+                             f"{self.max_graphs + 1}` before the fit would capture them too)", 'training them eagerly')
+                return self.forward(*args)
             with steps_for_graphs():   # the warm-up and the capture: fused layers chosen for a replay
                 if n <= self.warm: return self.forward(*args)
                 graph = self._capture(key, args)
@@ -227,17 +243,19 @@ class CudaGraphs(Callback):
         warm:int=WARM_STEPS, # Eager steps of a batch shape before it is captured
         max_graphs:int=1, # Batch shapes captured per fit; others train eagerly
     ):
+        _check_counts(warm, max_graphs)
         store_attr()
         # the last fit's: the batch shapes it replayed, the first capture failures a second capture got past
         self.said, self.last_captured, self.last_retried = set(), 0, []
 
-    def _say(self, why:str):
+    def _say(self, why:str, then:str='training eagerly'):
         if why in self.said: return
         self.said.add(why)
-        warnings.warn(f"CudaGraphs: {why}; training eagerly.", ClfastWarning, stacklevel=3)
+        warnings.warn(f"CudaGraphs: {why}; {then}.", ClfastWarning, stacklevel=3)
 
     def before_fit(self):
         self._remove()
+        _check_counts(self.warm, self.max_graphs)   # set on the callback since
         self.last_captured, self.last_retried = 0, []
         dev = next(self.model.parameters(), torch.empty(0)).device
         if dev.type != 'cuda': return self._say(f"CUDA graphs need a model on a CUDA GPU, and this one is on {dev}")

@@ -61,6 +61,20 @@ def test_switches():
     learn.to_channelslast(graphs=True).to_contiguous()
     assert not any(isinstance(c, CudaGraphs) for c in learn.cbs)
 
+def test_counts_that_would_capture_nothing_are_refused_before_a_step():
+    "CudaGraphs' counts checked where they are given and where a fit starts (set on the callback since), not at a capture"
+    with pytest.raises(ValueError, match=r'max_graphs=0 would capture nothing'): CudaGraphs(max_graphs=0)
+    with pytest.raises(ValueError, match=r'warm=-1 must be'): CudaGraphs(warm=-1)
+    with pytest.raises(ValueError, match=r'max_graphs=1.5'): GraphedForward(conv_net(), max_graphs=1.5)
+    learn = tiny_learner().to_channelslast(graphs=True)
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    learn.cuda_graphs.max_graphs = 0
+    with pytest.raises(ValueError, match=r'max_graphs=0'): _fit(learn)
+    assert all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))   # not a step trained
+    learn.cuda_graphs.max_graphs = 2
+    with warnings.catch_warnings(): warnings.simplefilter('ignore'); _fit(learn)
+    assert len(learn.recorder.losses) > 0
+
 def test_not_graphable_says_why():
     m = conv_net()
     assert not_graphable(m) is None
@@ -206,7 +220,6 @@ def test_shape_change_and_hooks_train_eagerly():
     x = torch.randn(16, 3, 16, 16, device='cuda').to(memory_format=torch.channels_last)
     for _ in range(3): g(x).sum().backward()
     assert len(g.graphs) == 1
-    m.eval(); ref = m(x[:4]); m.train()
     out = g(x[:4])                                 # another shape: eager (one graph at most)
     assert len(g.graphs) == 1 and out.shape == (4, 2)
     learn = _cuda_learner()
@@ -218,6 +231,25 @@ def test_shape_change_and_hooks_train_eagerly():
     said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
     assert said == ["CudaGraphs: module 1.0 (Conv2d) has hooks, which a replayed graph would not call; training eagerly."]
     assert learn.cuda_graphs.captured == 0 and all(math.isfinite(l) for l in learn.recorder.losses)
+
+@pytest.mark.cuda
+def test_a_second_steady_shape_beyond_max_graphs_is_said_once():
+    """A batch shape that settles after `max_graphs` were captured (progressive resizing within a fit) trains eagerly,
+    said once when it is as steady as a captured shape was (a one-off shape, a short last batch, is not said)"""
+    m = conv_net().cuda().train().to(memory_format=torch.channels_last)
+    said = []
+    g = GraphedForward(m, warm=1, say=lambda why, then='training eagerly': said.append(f"{why}; {then}"))
+    big, small = (torch.randn(n, 3, 16, 16, device='cuda').to(memory_format=torch.channels_last) for n in (16, 4))
+    for _ in range(3): g(big).sum().backward()
+    g(small).sum().backward()
+    assert len(g.graphs) == 1 and said == []   # seen once: a last batch, not steady
+    for _ in range(3):
+        out = g(small)
+        out.sum().backward()
+        assert out.grad_fn is not None and torch.isfinite(out).all()
+    assert len(g.graphs) == 1 and g.why is None   # the first shape still replays
+    assert said == ["batches of shape 4x3x16x16 came steady after the 1 graph that max_graphs allows was captured "
+                    "(`learn.cuda_graphs.max_graphs = 2` before the fit would capture them too); training them eagerly"]
 
 @pytest.mark.cuda
 def test_batch_shapes_that_never_settle_train_eagerly_and_say_so():

@@ -172,7 +172,7 @@ def _signature(args:tuple) -> tuple|None:
             torch.is_autocast_enabled('cuda'), torch.get_autocast_dtype('cuda'))
 
 def _check_counts(warm, max_graphs):
-    "A clear error for counts that would capture nothing or never settle, before any step trains"
+    "A clear error, before any step trains, for counts that mean nothing: a negative warm-up, no graph at all"
     if not (isinstance(warm, int) and warm >= 0):
         raise ValueError(f"CudaGraphs: warm={warm!r} must be a whole number of eager steps, 0 or more (default {WARM_STEPS})")
     if not (isinstance(max_graphs, int) and max_graphs >= 1):

@@ -114,6 +114,10 @@ def to_channelslast(self:Learner,
     **kwargs
 ):
     "Set `Learner` and inputs to `channels_last` format and float16 Mixed Precision by default"
+    for name, flag in (('use_amp', use_amp), ('graphs', graphs), ('auto', auto)):   # a string 'False' is true
+        if isinstance(flag, str) or flag not in (True, False):
+            raise ValueError(f"to_channelslast: {name}={flag!r} must be True or False")
+    compile_kwargs(compile)   # its error before anything changes
     explicit = amp_mode is not None or bool(kwargs)
     if amp_mode is None: amp_mode = AMPMode.FP16
     if graphs and compile not in (None, False):

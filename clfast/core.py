@@ -8,12 +8,13 @@ import torch
 from torch import nn, Tensor
 from fastcore.basics import *
 from fastai.torch_core import apply
+from collections.abc import Mapping
 import math
 
 # %% auto #0
 __all__ = ['ClfastWarning', 'fastai_signature', 'cl_format', 'is_ambiguous', 'is_channels_last', 'is_image_tensor',
-           'to_channels_last', 'to_contiguous_format', 'model_to', 'opt_state_to', 'has_conv', 'compile_model',
-           'is_compiled']
+           'to_channels_last', 'to_contiguous_format', 'model_to', 'opt_state_to', 'has_conv', 'compile_kwargs',
+           'compile_model', 'is_compiled']
 
 # %% ../nbs/00_core.ipynb #cba6e088
 class ClfastWarning(UserWarning):
@@ -98,10 +99,24 @@ def has_conv(model:nn.Module) -> bool:
     return any(isinstance(o, nn.modules.conv._ConvNd) for o in model.modules())
 
 # %% ../nbs/00_core.ipynb #c0mp11e1
+def compile_kwargs(how) -> dict|None:
+    "`torch.compile`'s keyword arguments from `how` (True: none; a dict: those), None for None or False; else a clear error, before anything changes"
+    if how is None or how is False: return None
+    if how is True: return {}
+    takes = [p for p in inspect.signature(torch.compile).parameters if p != 'model']
+    if not isinstance(how, Mapping):
+        raise ValueError(f"compile={how!r}: pass True, False (undo it), None (leave it) or a dict of torch.compile's "
+                         "keyword arguments, e.g. compile=dict(mode='max-autotune')")
+    unknown = sorted(set(how) - set(takes))
+    if unknown: raise ValueError(f"compile={dict(how)!r}: torch.compile has no argument {', '.join(map(repr, unknown))}; "
+                                 f"it takes {', '.join(takes)}")
+    return dict(how)
+
 def compile_model(model:nn.Module, how:bool|dict|None) -> nn.Module:
     "`torch.compile` `model` in place (`nn.Module.compile`: its `state_dict` keys and every reference to it unchanged) if `how` is True or compile's keyword arguments; undo it if False; leave it if None"
+    kwargs = compile_kwargs(how)
     if how is False: model._compiled_call_impl = None   # what `nn.Module.compile` sets: torch has no public way back
-    elif how is not None: model.compile(**({} if how is True else dict(how)))
+    elif kwargs is not None: model.compile(**kwargs)
     return model
 
 def is_compiled(model:nn.Module) -> bool:

@@ -53,7 +53,13 @@ def test_switches():
     with pytest.raises(ValueError, match='choose one'): learn.to_channelslast(graphs=True, compile=True)
     with pytest.raises(ValueError, match=r'auto=True\) chooses'): learn.to_channelslast(auto=True, graphs=True)
     with pytest.raises(ValueError, match=r'auto=True\) chooses'): learn.to_channelslast(auto=True, compile=True)
+    with pytest.raises(ValueError, match=r"graphs='False' must be True or False"): learn.to_channelslast(graphs='False')
+    with pytest.raises(ValueError, match=r"use_amp='no' must be"): learn.to_channelslast(use_amp='no')
+    with pytest.raises(ValueError, match=r"compile='yes': pass True, False"): learn.to_channelslast(compile='yes')
+    with pytest.raises(ValueError, match=r"torch.compile has no argument 'modee'; it takes .*mode"):
+        learn.to_channelslast(compile=dict(modee='max-autotune'))
     assert not hasattr(learn, 'channels_last')   # a refused call changes nothing
+    assert not is_compiled(learn.model) and next(learn.model.parameters()).is_contiguous()
     learn.to_channelslast(graphs=True).to_channelslast(graphs=True)
     assert sum(isinstance(c, CudaGraphs) for c in learn.cbs) == 1
     learn.to_channelslast()                      # graphs=False: the callback goes

@@ -113,6 +113,14 @@ def test_bad_input_clear_message_nothing_changed():
                     loss_func=MSELossFlat())
     with pytest.raises(ValueError, match='no 4D/5D floating-point image'): learn.format_find(show_plot=False)
     assert learn.cbs.map(type).filter(lambda t: t is ChannelsLast) == []
+    # counts: 0 batches timed the warm-up's batch again, -1 every batch of the epoch, each without a word
+    learn = Learner(image_dls(), conv_net(), loss_func=CrossEntropyLossFlat())
+    for n in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=rf"format_find: n_batches={n} must be a whole number"):
+            learn.format_find(n_batches=n, show_plot=False)
+    with pytest.raises(ValueError, match=r"budget=-1 must be seconds"): learn.format_find(budget=-1, show_plot=False)
+    with pytest.raises(ValueError, match=r"bench_model: steps=0 must be"): bench_model('resnet18', steps=0)
+    assert not hasattr(learn, 'channels_last')
 
 def test_best_setup_judges_by_numerics_against_fp64():
     """A setup is accepted when its gradients are within 3x as close to fp64 as its precision's stock setup's: bf16

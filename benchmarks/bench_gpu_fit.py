@@ -42,6 +42,8 @@ def _stock_amp(learn, dtype, channels_last=False, fastai_callback=False):
 SETUPS = {   # name: (what it does, its description)
     'contiguous':     (lambda l, d: _stock_amp(l, d), "contiguous, fastai AMP"),
     'stock-cl':       (lambda l, d: _stock_amp(l, d, channels_last=True), "stock channels-last, fastai AMP"),
+    'stock-cl-bench': (lambda l, d: _stock_amp(l, d, channels_last=True),
+                       "stock channels-last, fastai AMP, cudnn.benchmark=True"),
     'fastai':         (lambda l, d: _stock_amp(l, d, fastai_callback=True), "stock fastai to_channelslast()"),
     'compile-cl':     (lambda l, d: (_stock_amp(l, d, channels_last=True), l.model.compile()), "torch.compile of stock channels-last"),
     'clfast':         (lambda l, d: l.to_channelslast(amp_mode=d), "clfast to_channelslast() (default)"),
@@ -56,19 +58,23 @@ SETUPS = {   # name: (what it does, its description)
 }
 COMPILED = {'compile-cl', 'speed+compile'}   # setups that torch.compile (about a minute each)
 LAUNCH = {'speed-compiled': 'compiled'}   # setups whose fits launch Triton's kernels another way than Triton's own
+# setups whose fits run with cuDNN's algorithm search (`torch.backends.cudnn.benchmark`) on: PyTorch's default is off
+# and fastai leaves it so (unless `setup_cuda()` is called); whether cuDNN's heuristics pick slower channels-last convs
+# than its search is a premise to measure before clfast turns it on for anyone
+CUDNN_BENCHMARK = {'stock-cl-bench'}
 GOALS = ['stock-cl', 'fastai', 'clfast', 'speed+graphs']   # what issue 34's done-when compares: in every group first run
 LATER = ['speed', 'graphs', 'contiguous', 'speed-compiled', 'speed+compile']   # the other setups, once the goals' rows ran
 
 def plan(models, batch_sizes, dtypes) -> list:
     """Groups (model, batch, dtype, setups) in priority order: first the rows issue 34's done-when compares (a GPU
     session has about one call of 9 minutes): for the first model, clfast's best setup without compile against
-    `torch.compile` at the largest batch and against fastai's `to_channelslast()` at the smallest, 'memory', the
-    default against fastai's, and at the smallest batch, where the host bounds the step, 'memory' with graphs and the
+    `torch.compile` at the largest batch (and, in the first dtype, stock channels-last with cuDNN's algorithm search)
+    and against fastai's `to_channelslast()` at the smallest, 'memory', the default against fastai's, and at the smallest batch, where the host bounds the step, 'memory' with graphs and the
     eager fused ways (Triton's launch and the compiled kernels'); then the other models' against stock; then every other setup"""
     first, big, small = models[0], max(batch_sizes), min(batch_sizes)
     def goals(m, bs, dt):
         if m != first: return list(GOALS)
-        return (GOALS + ['memory'] + (['compile-cl'] if bs == big else [])
+        return (GOALS + ['memory'] + (['compile-cl'] + (['stock-cl-bench'] if dt == dtypes[0] else []) if bs == big else [])
                 + (['graphs', 'memory+graphs'] + (['speed', 'speed-compiled'] if dt == dtypes[0] else []) if bs == small else []))
     groups = [(m, bs, dt, goals(m, bs, dt)) for m in models for dt in dtypes for bs in batch_sizes]
     # then the rest, each beside stock channels-last (a group's ratios are its own rounds')
@@ -141,7 +147,10 @@ class Group:
             from clfast.triton_kernels import launching
             from clfast import fused
             known = set(fused._ways)
-            with learn.no_logging(), learn.no_bar(), launching(LAUNCH.get(setup, 'jit')): learn.fit(1, cbs=[clock])
+            benchmark, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, setup in CUDNN_BENCHMARK
+            try:
+                with learn.no_logging(), learn.no_bar(), launching(LAUNCH.get(setup, 'jit')): learn.fit(1, cbs=[clock])
+            finally: torch.backends.cudnn.benchmark = benchmark
             # the 'timed' layers this fit chose (shapes an earlier setup chose for are not counted again)
             chose = [('graphed' in k[:2], w) for k, w in fused._ways.items() if k not in known]
             if cuda: self.peak[setup] = (torch.cuda.max_memory_allocated() - before + own) / 2**30

@@ -36,14 +36,13 @@ def fuse_mode(fuse:str|bool|None) -> str|None:
                      "in backward, about half the saved activations) or False.")
 
 # %% ../nbs/02_callback.ipynb #91f4ac38
-def _fuse(model:nn.Module, mode:str):
-    "Fuse `model` in `mode`, saying so when that fused nothing"
+def _fused_nothing(model:nn.Module, mode:str) -> str|None:
+    "Fuse `model` in `mode`; why that fused nothing, or None"
     fuse_conv_bn(model, mode)
     report = fusion_report(model)
     if report is not None and not report.fused and not is_fused(model):   # a mode switch fuses nothing new
         why = f" (first skipped: {report.skipped[0][0]}: {report.skipped[0][1]})" if report.skipped else " (it has no conv followed by a BatchNorm2d)"
-        warnings.warn(f"fuse={mode!r} fused nothing in this model{why}; `fusion_report(learn.model)` lists every reason.",
-                      ClfastWarning, stacklevel=3)
+        return f"fuse={mode!r} fused nothing in this model{why}; `fusion_report(learn.model)` lists every reason."
 
 # %% ../nbs/02_callback.ipynb #56431ded
 _OWN_EVENTS = ('before_fit', 'before_validate', 'before_batch')
@@ -60,6 +59,7 @@ class ChannelsLast(Callback):
         super().__init__(**events)
         self.fuse = fuse_mode(fuse)
         self.guarded_on: torch.device|None = None   # the device `guard_model` last decided the model's guards for
+        self.said_nothing_fused = False   # a model that fuses nothing is said once, not at every fit
 
     def _user(self, event:str):
         events = self.__dict__.get('user_events', {})   # a callback pickled by an older clfast has none
@@ -67,14 +67,21 @@ class ChannelsLast(Callback):
 
     def before_fit(self):
         if not has_conv(self.model):
-            warnings.warn("ChannelsLast: the model has no convolution, so the channels-last format changes nothing "
-                          "for it; remove the callback or call `learn.to_contiguous()`.", ClfastWarning, stacklevel=2)
+            warnings.warn("ChannelsLast: the model has no 2D or 3D convolution, so the channels-last format changes "
+                          "nothing for it; remove the callback or call `learn.to_contiguous()`.", ClfastWarning, stacklevel=2)
         self._check_single_amp()
-        if self.fuse and not is_fused(self.model): _fuse(unguard_model(self.model), self.fuse)
+        if self.fuse and not is_fused(self.model): self.fuse_model()
         model_to(self.model, channels_last=True)
         self._guard(again=True)
         opt_state_to(self.opt, channels_last=True)
         self._user('before_fit')
+
+    def fuse_model(self):
+        "Fuse the learner's model in the `fuse` mode (without the CPU guards, which `_guard` puts back where needed)"
+        why = _fused_nothing(unguard_model(self.model), self.fuse)
+        if why and not self.__dict__.get('said_nothing_fused'):   # (pickled by an older clfast: not said)
+            self.said_nothing_fused = True
+            warnings.warn(why, ClfastWarning, stacklevel=3)   # where `to_channelslast` or the fit was called
 
     def before_validate(self):
         model_to(self.model, channels_last=True)   # `get_preds` runs no `before_fit`
@@ -131,9 +138,9 @@ def to_channelslast(self:Learner,
     amp_mode, fuse = amp_mode_of(amp_mode), fuse_mode(fuse)
     new_amp = MixedPrecision(amp_mode, **kwargs) if use_amp else None   # its arguments checked before anything changes
     self.remove_cbs(_find_cbs(self, fastai_cl.ChannelsLast, ChannelsLast, CudaGraphs))
-    self.add_cb(ChannelsLast(fuse=fuse))
+    self.add_cb(cl := ChannelsLast(fuse=fuse))
     if graphs: self.add_cb(CudaGraphs())
-    if fuse: _fuse(unguard_model(self.model), fuse)       # now, so that mode switches and `fusion_report` apply at once
+    if fuse: cl.fuse_model()       # now, so that mode switches and `fusion_report` apply at once
     elif is_fused(self.model): unfuse_conv_bn(self.model)
     guard_model(self.model, _model_device(self))   # for where it will train; `before_fit` decides again
     compile_model(self.model, compile)

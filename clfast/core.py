@@ -95,8 +95,9 @@ def opt_state_to(opt, channels_last:bool=True):
 
 # %% ../nbs/00_core.ipynb #2f9d811b
 def has_conv(model:nn.Module) -> bool:
-    "True when `model` has a convolution, the only layers channels-last speeds up directly"
-    return any(isinstance(o, nn.modules.conv._ConvNd) for o in model.modules())
+    """True when `model` has a 2D or 3D convolution, the only layers channels-last speeds up directly (a Conv1d's
+    3D tensors have no channels-last format)"""
+    return any(isinstance(o, nn.modules.conv._ConvNd) and len(o.kernel_size) in (2, 3) for o in model.modules())
 
 # %% ../nbs/00_core.ipynb #c0mp11e1
 def compile_kwargs(how) -> dict|None:

@@ -225,8 +225,8 @@ def _drift(losses, base) -> float:
 def measure_setups(model:nn.Module, batches:list, loss_func, make_opt, setups:list|None=None, device=None,
                    budget:float|None=60., progress:bool=True) -> pd.DataFrame:
     "Train a copy of `model` in each setup on `batches` (`[(xb, yb)]`) and tabulate speed, memory and loss drift"
-    if not has_conv(model): raise ValueError("the model has no convolution: channels-last, fusion and their precisions "
-                                             "change nothing for it, so there is nothing to find.")
+    if not has_conv(model): raise ValueError("the model has no 2D or 3D convolution: channels-last, fusion and their "
+                                             "precisions change nothing for it, so there is nothing to find.")
     if not batches or not any(is_image_tensor(t) for t in batches[0][0]):
         raise ValueError("the batches hold no 4D/5D floating-point image tensor: the format finder measures image models.")
     device = torch.device(device or next(model.parameters()).device)
@@ -336,8 +336,8 @@ def format_find(self:Learner,
     "Measure this learner's model on its own batches in each setup; the learner is left exactly as it was"
     _check_counts('format_find', 'n_batches', n_batches, budget)
     if not has_conv(self.model):
-        raise ValueError("format_find: the model has no convolution, so channels-last, fusion and their precisions change "
-                         "nothing for it; train it as it is.")
+        raise ValueError("format_find: the model has no 2D or 3D convolution, so channels-last, fusion and their "
+                         "precisions change nothing for it; train it as it is.")
     device = next(self.model.parameters()).device
     with _RNGStates():
         batches = [(tuple(t.to(device) for t in xb), tuple(t.to(device) for t in yb))

@@ -102,7 +102,13 @@ def test_two_amp_callbacks_refused():
 
 def test_no_conv_model_warns():
     learn = Learner(image_dls(), nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 2)), loss_func=CrossEntropyLossFlat())
-    with pytest.warns(UserWarning, match="no convolution"): _fit(learn.to_channelslast(use_amp=False))
+    with pytest.warns(UserWarning, match="no 2D or 3D convolution"): _fit(learn.to_channelslast(use_amp=False))
+    # a Conv1d's 3D tensors have no channels-last format: as for no conv at all
+    x = torch.randn(32, 4, 20)
+    dls = DataLoaders.from_dsets(list(zip(x, (x[:, 0, 0] > 0).long())), list(zip(x, (x[:, 0, 0] > 0).long())), bs=8, device='cpu')
+    learn = Learner(dls, nn.Sequential(nn.Conv1d(4, 4, 3), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(4, 2)),
+                    loss_func=CrossEntropyLossFlat())
+    with pytest.warns(UserWarning, match="no 2D or 3D convolution"): _fit(learn.to_channelslast(use_amp=False))
 
 def test_fp32_channels_last_matches_contiguous():
     res = []

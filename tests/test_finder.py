@@ -106,13 +106,15 @@ def test_keyboard_interrupt_mid_find_restores_everything():
 
 def test_bad_input_clear_message_nothing_changed():
     learn = Learner(image_dls(), nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 2)), loss_func=CrossEntropyLossFlat())
-    with pytest.raises(ValueError, match='no convolution'): learn.format_find(show_plot=False)
+    with pytest.raises(ValueError, match='no 2D or 3D convolution'): learn.format_find(show_plot=False)
     x = torch.randn(32, 4, 20)                                   # sequences for a Conv1d: not image batches
     dls = DataLoaders.from_dsets(list(zip(x, x[:, :1, :1].squeeze(-1))), list(zip(x, x[:, :1, :1].squeeze(-1))), bs=8, device='cpu')
     learn = Learner(dls, nn.Sequential(nn.Conv1d(4, 4, 3), nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(4, 1)),
                     loss_func=MSELossFlat())
-    with pytest.raises(ValueError, match='no 4D/5D floating-point image'): learn.format_find(show_plot=False)
+    with pytest.raises(ValueError, match='no 2D or 3D convolution'): learn.format_find(show_plot=False)
     assert learn.cbs.map(type).filter(lambda t: t is ChannelsLast) == []
+    learn.model[0] = nn.Conv2d(4, 4, 3)   # a 2D conv, but sequences for batches
+    with pytest.raises(ValueError, match='no 4D/5D floating-point image'): learn.format_find(show_plot=False)
     # counts: 0 batches timed the warm-up's batch again, -1 every batch of the epoch, each without a word
     learn = Learner(image_dls(), conv_net(), loss_func=CrossEntropyLossFlat())
     for n in (0, -1, 2.5):

@@ -178,3 +178,7 @@ def test_fuse_that_fuses_nothing_says_so():
     learn = Learner(image_dls(), nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                                                 nn.Linear(4, 2)), loss_func=CrossEntropyLossFlat())
     with pytest.warns(ClfastWarning, match="fuse='speed' fused nothing"): learn.to_channelslast(use_amp=False, fuse='speed')
+    with warnings.catch_warnings(record=True) as rec:   # said once: not again at each fit, which tries again
+        warnings.simplefilter('always')
+        for _ in range(2): learn.fit(1)
+    assert not [w for w in rec if 'fused nothing' in str(w.message)] and len(learn.recorder.values) == 1

@@ -173,10 +173,24 @@ def to_contiguous(self:Learner,
 # %% ../nbs/02_callback.ipynb #2fa85351
 _fastai_export = Learner.export
 
+def _as_fastai(cb:Callback) -> Callback|None:
+    "fastai's own callback for what clfast's `cb` does at inference (None for `CudaGraphs`, which only trains)"
+    if isinstance(cb, ChannelsLast): return fastai_cl.ChannelsLast()
+    if isinstance(cb, MixedPrecision): return fastai_fp16.MixedPrecision(cb.amp_mode, **cb.kwargs)
+    return None
+
 @patch
 def export(self:Learner, fname='export.pkl', pickle_module=cloudpickle, pickle_protocol=2):
-    "Export the content of `self` without the items and the optimizer state for inference, weights contiguous"
-    if not _find_cbs(self, ChannelsLast): return _fastai_export(self, fname, pickle_module, pickle_protocol)
-    model_to(self.model, channels_last=False)
+    """Export the content of `self` without the items and the optimizer state for inference, in a file that fastai
+    alone loads: weights contiguous, clfast's layers pickled as their stock modules, its callbacks as fastai's own"""
+    ours = _find_cbs(self, ChannelsLast, MixedPrecision, CudaGraphs)
+    if not ours: return _fastai_export(self, fname, pickle_module, pickle_protocol)
+    theirs = [c for c in map(_as_fastai, ours) if c is not None]
+    order, channels_last = list(self.cbs), bool(_find_cbs(self, ChannelsLast))
+    self.remove_cbs(ours).add_cbs(theirs)
+    if channels_last: model_to(self.model, channels_last=False)
     try: return _fastai_export(self, fname, pickle_module, pickle_protocol)
-    finally: model_to(self.model, channels_last=True)
+    finally:
+        self.remove_cbs(theirs).add_cbs(ours)
+        self.cbs.items.sort(key=order.index)   # as they were
+        if channels_last: model_to(self.model, channels_last=True)

@@ -77,8 +77,14 @@ def test_unet_learner_masks_untouched(digit_files):
     assert preds.shape[1:] == (2, 32, 32)
 
 EXPORT_CHECK = '''
-import sys, torch
+import sys, builtins, torch
+real_import = builtins.__import__
+def without_clfast(name, *args, **kwargs):   # a process with fastai alone, as an inference server may have
+    if name.split('.')[0] == 'clfast': raise ModuleNotFoundError(f"No module named {name!r}")
+    return real_import(name, *args, **kwargs)
+builtins.__import__ = without_clfast
 from fastai.vision.all import load_learner
+import fastai.callback.fp16 as fastai_fp16, fastai.callback.channelslast as fastai_cl
 learn = load_learner(sys.argv[1], cpu=True)
 params = list(learn.model.parameters())
 assert all(p.dtype == torch.float32 for p in params), "weights not fp32"
@@ -89,6 +95,9 @@ x = torch.load(sys.argv[2])
 learn.model.eval()
 with torch.no_grad(): out = learn.model(x)
 torch.testing.assert_close(out, torch.load(sys.argv[3]), rtol=1e-4, atol=1e-4)
+on_gpu = load_learner(sys.argv[1], cpu=False)   # as trained: fastai's own channels-last and mixed precision callbacks
+assert type(on_gpu.channels_last) is fastai_cl.ChannelsLast and type(on_gpu.mixed_precision) is fastai_fp16.MixedPrecision
+assert not hasattr(on_gpu, 'cuda_graphs')   # training only: left out
 print("OK", type(learn.cbs[0]).__name__)
 '''
 
@@ -101,11 +110,16 @@ def _env_with_clfast():
 @pytest.mark.slow
 @pytest.mark.parametrize('fuse', [False, 'speed'])
 def test_export_load_learner_fresh_process(digit_files, tmp_path, fuse):
-    learn = vision_learner(_cls_dls(digit_files), resnet18, pretrained=False).to_channelslast(amp_mode=AMP, fuse=fuse)
+    """The exported file loads in a process without clfast (its layers pickle as stock modules, its callbacks as
+    fastai's own), and the learner in memory is left as it was: clfast's callbacks, in their order, channels-last"""
+    learn = vision_learner(_cls_dls(digit_files), resnet18, pretrained=False).to_channelslast(amp_mode=AMP, fuse=fuse,
+                                                                                              graphs=True)
     with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
         warnings.simplefilter('ignore'); learn.fit(1, 1e-3)
     learn.path = tmp_path
+    cbs = list(learn.cbs)
     learn.export('export.pkl')
+    assert list(learn.cbs) == cbs and learn.channels_last in cbs and learn.mixed_precision in cbs and learn.cuda_graphs in cbs
     assert all(is_channels_last(p) for p in learn.model.parameters() if p.dim() == 4 and p.shape[1] > 1 and p.shape[2] * p.shape[3] > 1)
     x = torch.randn(2, 3, 32, 32)
     learn.model.eval()

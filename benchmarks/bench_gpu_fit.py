@@ -69,8 +69,9 @@ def plan(models, batch_sizes, dtypes) -> list:
     """Groups (model, batch, dtype, setups) in priority order: first the rows issue 34's done-when compares (a GPU
     session has about one call of 9 minutes): for the first model, clfast's best setup without compile against
     `torch.compile` at the largest batch (and, in the first dtype, stock channels-last with cuDNN's algorithm search)
-    and against fastai's `to_channelslast()` at the smallest, 'memory', the default against fastai's, and at the smallest batch, where the host bounds the step, 'memory' with graphs and the
-    eager fused ways (Triton's launch and the compiled kernels'); then the other models' against stock; then every other setup"""
+    and against fastai's `to_channelslast()` at the smallest, 'memory', the default against fastai's, and at the
+    smallest batch, where the host bounds the step, 'memory' with graphs and the eager fused ways (Triton's launch and
+    the compiled kernels'); then the other models' against stock; then every other setup"""
     first, big, small = models[0], max(batch_sizes), min(batch_sizes)
     def goals(m, bs, dt):
         if m != first: return list(GOALS)

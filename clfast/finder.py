@@ -136,7 +136,7 @@ class _RNGStates:
         random.setstate(self.states[0]); np.random.set_state(self.states[1]); torch.set_rng_state(self.states[2])
         if self.states[3] is not None: torch.cuda.set_rng_state_all(self.states[3])
 
-def _check_counts(who:str, steps_name:str, steps, budget):
+def _check_steps(who:str, steps_name:str, steps, budget):
     "A clear error for a number of measured steps below one or a negative budget, before anything is measured"
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"{who}: {steps_name}={steps!r} must be a whole number of training steps to time, 1 or more")
@@ -334,7 +334,7 @@ def format_find(self:Learner,
     compile:bool=False, # Also try `torch.compile` in channels-last
 ) -> pd.DataFrame:
     "Measure this learner's model on its own batches in each setup; the learner is left exactly as it was"
-    _check_counts('format_find', 'n_batches', n_batches, budget)
+    _check_steps('format_find', 'n_batches', n_batches, budget)
     if not has_conv(self.model):
         raise ValueError("format_find: the model has no 2D or 3D convolution, so channels-last, fusion and their "
                          "precisions change nothing for it; train it as it is.")
@@ -390,7 +390,7 @@ def auto_setup(learn:Learner, **kwargs) -> Learner:
 def bench_model(arch:str, bs:int=16, size:int=160, steps:int=5, device=None, setups=None, budget=None,
                 progress:bool=True) -> pd.DataFrame:
     "`measure_setups` for the timm or torchvision classifier `arch` on random images and labels (cross-entropy, SGD)"
-    _check_counts('bench_model', 'steps', steps, budget)
+    _check_steps('bench_model', 'steps', steps, budget)
     import torchvision, timm
     device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     with _RNGStates():

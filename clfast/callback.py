@@ -186,7 +186,7 @@ def export(self:Learner, fname='export.pkl', pickle_module=cloudpickle, pickle_p
     ours = _find_cbs(self, ChannelsLast, MixedPrecision, CudaGraphs)
     if not ours: return _fastai_export(self, fname, pickle_module, pickle_protocol)
     theirs = [c for c in map(_as_fastai, ours) if c is not None]
-    order, channels_last = list(self.cbs), bool(_find_cbs(self, ChannelsLast))
+    order, channels_last = list(self.cbs), any(type(cb) is ChannelsLast for cb in ours)
     self.remove_cbs(ours).add_cbs(theirs)
     if channels_last: model_to(self.model, channels_last=False)
     try: return _fastai_export(self, fname, pickle_module, pickle_protocol)

@@ -13,7 +13,8 @@ from .core import model_to, to_channels_last
 from .audit import audit, ChannelsLastReport
 
 # %% auto #0
-__all__ = ['TORCHVISION_MODELS', 'TIMM_MODELS', 'SIZES', 'create_model', 'audit_model', 'to_markdown', 'coverage', 'main']
+__all__ = ['TORCHVISION_MODELS', 'TIMM_MODELS', 'SIZES', 'classifier_source', 'create_model', 'audit_model', 'to_markdown',
+           'coverage', 'main']
 
 # %% ../nbs/11_audit_models.ipynb #826af0eb
 TORCHVISION_MODELS = ['alexnet', 'mnasnet0_5', 'mnasnet0_75', 'mnasnet1_0', 'mnasnet1_3', 'mobilenet_v2',
@@ -32,15 +33,26 @@ TIMM_MODELS = ['convnext_atto', 'convnextv2_atto', 'cspresnet50', 'densenet121',
 SIZES = (64, 96, 128, 160, 224, 299)
 
 # %% ../nbs/11_audit_models.ipynb #1f9cd23b
-def create_model(name:str, source:str) -> nn.Module:
-    "A randomly initialised `name` from `source` ('torchvision' or 'timm')"
-    if source == 'torchvision':
+def classifier_source(name:str, source:str='any') -> str:
+    "Which zoo has the classifier `name`: 'torchvision' or 'timm'; with `source='any'`, torchvision where both have it (as fastai's `vision_learner` reads a torchvision name). An unknown name is an error naming the closest known ones"
+    import difflib, timm, torchvision
+    zoos = {'torchvision': torchvision.models.list_models(module=torchvision.models), 'timm': timm.list_models()}
+    if source not in (*zoos, 'any'): raise ValueError(f"source must be 'torchvision', 'timm' or 'any', got {source!r}")
+    searched = list(zoos) if source == 'any' else [source]
+    for zoo in searched:
+        if name in zoos[zoo] or (zoo == 'timm' and timm.is_model(name)): return zoo   # timm also knows tagged names
+    near = difflib.get_close_matches(name, list(dict.fromkeys(n for zoo in searched for n in zoos[zoo])), n=3)
+    raise ValueError(f"Unknown arch {name!r}: not a {' or '.join(searched)} classifier"
+                     + (f"; did you mean {', '.join(map(repr, near))}?" if near else '')
+                     + " (`torchvision.models.list_models(module=torchvision.models)` and `timm.list_models()` list them)")
+
+def create_model(name:str, source:str='any', **kwargs) -> nn.Module:
+    "A randomly initialised classifier `name` from `source` ('torchvision', 'timm', or 'any': see `classifier_source`); `kwargs` go to the zoo's constructor (e.g. `num_classes`)"
+    if classifier_source(name, source) == 'torchvision':
         import torchvision
-        return torchvision.models.get_model(name, weights=None)
-    if source == 'timm':
-        import timm
-        return timm.create_model(name, pretrained=False)
-    raise ValueError(f"source must be 'torchvision' or 'timm', got {source!r}")
+        return torchvision.models.get_model(name, weights=None, **kwargs)
+    import timm
+    return timm.create_model(name, pretrained=False, **kwargs)
 
 # %% ../nbs/11_audit_models.ipynb #6e9fb461
 def _worst(r:ChannelsLastReport) -> tuple[str, str]:
@@ -106,6 +118,9 @@ def _models(source:str, names:list[str]|None) -> list[tuple[str, str]]:
     "The (name, source) pairs to audit"
     if names:
         if source == 'all': raise SystemExit("--models needs --source torchvision or --source timm")
+        for n in names:   # a misspelt name stops here, before a long audit, rather than as an error row of the table
+            try: classifier_source(n, source)
+            except ValueError as e: raise SystemExit(f"clfast audit-models: {e}") from None
         return [(n, source) for n in names]
     tv = [(n, 'torchvision') for n in TORCHVISION_MODELS]
     tm = [(n, 'timm') for n in TIMM_MODELS]

@@ -18,6 +18,7 @@ from .guard import CHECK_CACHE, _conv_params, guard_model
 from .amp import MixedPrecision, resolve_amp
 from .audit import _train_batches
 from .timing import report
+from .audit_models import create_model
 
 # %% auto #0
 __all__ = ['CHECK_TOLERANCE', 'conv_geometries', 'conv_numerics', 'check_worker', 'check_geometries', 'grad_error',
@@ -232,21 +233,12 @@ def check_channelslast(self:Learner, n:int=2, timeout:float=60, guard:bool=True)
     return check_channelslast(self.model, *xb, precision=_learner_precision(self), n=n, timeout=timeout, guard=guard)
 
 # %% ../nbs/06_check.ipynb #f57ebe9f
-def _model_named(arch:str) -> nn.Module:
-    "A timm model, else a torchvision one, with random weights"
-    import timm
-    if arch in timm.list_models(): return timm.create_model(arch, pretrained=False)
-    import torchvision
-    try: return torchvision.models.get_model(arch, weights=None)
-    except ValueError: pass
-    raise ValueError(f"unknown --arch {arch!r}: give a timm model name (timm.list_models()) or a torchvision one")
-
 def main(a:argparse.Namespace):
     "`clfast check`, given its options (`clfast.cli.check_parser`): the timed decisions, and the numerics self-check of a timm/torchvision model's convs on this machine"
     print(report())
     if a.arch is None: return 0
     print()
-    model = _model_named(a.arch)
+    model = create_model(a.arch)
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always', ClfastWarning)

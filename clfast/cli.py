@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse, importlib, sys
 
 # %% auto #0
-__all__ = ['COMMANDS', 'PARSERS', 'positive_int', 'demo_parser', 'audit_models_parser', 'bench_parser', 'check_parser',
-           'build_parser', 'main']
+__all__ = ['COMMANDS', 'PARSERS', 'positive_int', 'classifier_name', 'demo_arch', 'demo_parser', 'audit_models_parser',
+           'bench_parser', 'check_parser', 'build_parser', 'main']
 
 # %% ../nbs/90_cli.ipynb #10a5a663
 COMMANDS = {  # subcommand -> (module with `main(options)`, what it does); the options are parsed here (PARSERS)
@@ -32,6 +32,17 @@ def positive_int(s:str) -> int:
     if v < 1: raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
     return v
 
+def classifier_name(s:str) -> str:
+    "An argparse type: the name of a torchvision or timm classifier (it imports both, so only a given `--arch` loads torch before the command runs)"
+    from clfast.audit_models import classifier_source
+    try: classifier_source(s)
+    except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+def demo_arch(s:str) -> str:
+    "An argparse type: 'simple' (the demo's small CNN) or a `classifier_name`"
+    return s if s == 'simple' else classifier_name(s)
+
 class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
     "Show each option's default; an option defaulting to None says in its help what it does then"
     def _get_help_string(self, action):
@@ -45,8 +56,8 @@ def demo_parser() -> argparse.ArgumentParser:
     "Options of `clfast demo`"
     p = _parser('clfast demo', "Train a CNN on scikit-learn's bundled handwritten digits, contiguous fp32 vs "
                 "learn.to_channelslast(), printing a line per epoch and then the comparison table.")
-    p.add_argument('--arch', default='simple', help="'simple' (a small fastai ConvLayer net), or any torchvision or timm "
-                   "classifier name, e.g. resnet18, resnet18d, convnext_atto (random weights, fastai's vision_learner)")
+    p.add_argument('--arch', default='simple', type=demo_arch, help="'simple' (a small fastai ConvLayer net), or any "
+                   "torchvision or timm classifier name, e.g. resnet18, resnet18d, convnext_atto (random weights, fastai's vision_learner)")
     p.add_argument('--epochs', type=positive_int, default=3, help="epochs of each run (the first warms up)")
     p.add_argument('--device', default=None, help="cpu, cuda, cuda:1, mps (default: fastai's default device)")
     p.add_argument('--amp', default='auto', choices=['auto', 'fp16', 'bf16', 'none'],
@@ -76,7 +87,8 @@ def bench_parser() -> argparse.ArgumentParser:
     p = _parser('clfast bench', "Train a timm or torchvision classifier (random weights) on random images in each setup "
                 "(contiguous fp32; channels-last in each precision that is fast here x fuse off/speed/memory), setups "
                 "taking turns, and print speed, memory and loss drift against contiguous fp32.")
-    p.add_argument('--arch', required=True, help="a torchvision or timm model name, e.g. resnet50, efficientnet_b0")
+    p.add_argument('--arch', required=True, type=classifier_name,
+                   help="a torchvision or timm model name, e.g. resnet50, efficientnet_b0 (torchvision's where both have it)")
     p.add_argument('--bs', type=positive_int, default=16, help="batch size")
     p.add_argument('--size', type=positive_int, default=160, help="image size in pixels")
     p.add_argument('--steps', type=positive_int, default=5, help="measured training steps per setup (after one warm-up)")
@@ -91,7 +103,8 @@ def check_parser() -> argparse.ArgumentParser:
                 "per layer), with the measured ratios; with --arch, also the numerics self-check of a timm or torchvision "
                 "model's convs: each distinct conv geometry in channels-last against fp64, in a child process; failing "
                 "ones are cached and guarded.")
-    p.add_argument('--arch', help="timm or torchvision model name, e.g. resnet50 (default: only the timed decisions)")
+    p.add_argument('--arch', type=classifier_name, help="a torchvision or timm model name, e.g. resnet50 (torchvision's where "
+                   "both have it; default: only the timed decisions)")
     p.add_argument('--size', type=positive_int, default=224, help="input image size")
     p.add_argument('--channels', type=positive_int, default=3, help="input channels")
     p.add_argument('--precision', default='float32', choices=['float32', 'bfloat16', 'float16'])
@@ -118,6 +131,6 @@ def main(argv=None):
     if not argv or argv[0] in ('-h', '--help'): print(_usage()); return 0
     if argv[0] not in COMMANDS:
         print(f"clfast: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr); return 2
-    options = PARSERS[argv[0]]().parse_args(argv[1:])   # --help and bad options exit here, before torch loads
+    options = PARSERS[argv[0]]().parse_args(argv[1:])   # --help and bad options exit here, before torch loads (but to check an --arch)
     rc = importlib.import_module(COMMANDS[argv[0]][0]).main(options)
     return rc if isinstance(rc, int) else 0   # an exit status (`clfast check`: 1 on a failing conv), not `demo`'s results

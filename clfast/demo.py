@@ -53,13 +53,13 @@ def demo_learner(arch:str='simple', bs:int=64, device=None, n_items:int|None=Non
     dls = digits_dls(bs=bs, device=device, n_items=n_items)
     kw = dict(loss_func=CrossEntropyLossFlat(), metrics=accuracy)   # the digits' plain tensors carry no vocab to infer it from
     if arch == 'simple': return Learner(dls, simple_cnn(), **kw)
-    import torchvision, timm
+    import torchvision
     from fastai.vision.learner import vision_learner
-    tv = getattr(torchvision.models, arch, None)
-    if not callable(tv) and not timm.is_model(arch):
-        raise ValueError(f"Unknown arch {arch!r}: use 'simple', a torchvision model name (e.g. 'resnet18') "
-                         f"or a timm model name (e.g. 'resnet18d').")
-    return vision_learner(dls, tv if callable(tv) else arch, pretrained=False, n_out=10, **kw)
+    from clfast.audit_models import classifier_source
+    try: zoo = classifier_source(arch)
+    except ValueError as e: raise ValueError(f"{e}; or 'simple', the demo's small CNN") from None
+    return vision_learner(dls, getattr(torchvision.models, arch) if zoo == 'torchvision' else arch, pretrained=False,
+                          n_out=10, **kw)
 
 # %% ../nbs/03_demo.ipynb #0aea869f
 class Throughput(Callback):

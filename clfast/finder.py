@@ -391,15 +391,11 @@ def bench_model(arch:str, bs:int=16, size:int=160, steps:int=5, device=None, set
                 progress:bool=True) -> pd.DataFrame:
     "`measure_setups` for the timm or torchvision classifier `arch` on random images and labels (cross-entropy, SGD)"
     _check_steps('bench_model', 'steps', steps, budget)
-    import torchvision, timm
+    from clfast.audit_models import create_model
     device = torch.device(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
     with _RNGStates():
         torch.manual_seed(0)
-        tv = getattr(torchvision.models, arch, None)
-        if callable(tv) and arch[0].islower(): model = tv(num_classes=10)
-        elif timm.is_model(arch): model = timm.create_model(arch, num_classes=10)
-        else: raise ValueError(f"Unknown arch {arch!r}: use a torchvision model name (e.g. 'resnet50') or a timm one "
-                               "(e.g. 'efficientnet_b0'); `timm.list_models()` lists timm's.")
+        model = create_model(arch, num_classes=10)
         model = model.to(device)
         batches = [((torch.randn(bs, 3, size, size, device=device),), (torch.randint(0, 10, (bs,), device=device),))
                    for _ in range(steps + 1)]

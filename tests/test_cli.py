@@ -1,7 +1,6 @@
 "The `clfast` command: options parsed before torch loads, defaults shown, any torchvision/timm arch trains with progress."
 import os, subprocess, sys, pytest
-from clfast.cli import main, demo_parser
-from clfast.demo import main as demo_main
+from clfast.cli import main
 
 def _run(*args):
     "`clfast ARGS` in a fresh interpreter; also reports whether torch or fastai got imported"
@@ -39,9 +38,17 @@ def test_demo_any_arch(capsys):
         assert out.index('[2/2] to_channelslast') < out.index('setup ') and f'arch={arch}, 1 epoch, bs=8' in out
         assert '(20 real scans' in out
 
-def test_unknown_arch():
-    with pytest.raises(ValueError, match="Unknown arch 'resnet_nope'.*torchvision model name"):
-        demo_main(demo_parser().parse_args(['--arch', 'resnet_nope', '--epochs', '1', '--items', '40', '--device', 'cpu']))
+@pytest.mark.parametrize('cmd', ['demo', 'bench', 'check'])
+def test_unknown_arch_is_an_option_error(cmd):
+    "A misspelt --arch stops at the options with the nearest names, as any bad option does, not in a traceback"
+    r = _run(cmd, '--arch', 'resnet1')
+    assert 'exit 2' in r.stdout and 'Traceback' not in r.stderr, r.stdout + r.stderr
+    assert "argument --arch: Unknown arch 'resnet1': not a torchvision or timm classifier; did you mean 'resnet18'" in r.stderr
+
+def test_audit_models_names_a_misspelt_model_before_auditing():
+    r = _run('audit-models', '--source', 'timm', '--models', 'resnet18d', 'efficentnet_b0', '--out', '/nonexistent/x')
+    assert "exit clfast audit-models: Unknown arch 'efficentnet_b0': not a timm classifier; did you mean 'efficientnet_b0'" \
+        in r.stdout and 'Traceback' not in r.stderr, r.stdout + r.stderr
 
 def test_check_says_which_kernel_levels_are_built(tmp_path):
     "`clfast check` ends with the C++ kernels' levels built for this torch, and where (package or cache)"

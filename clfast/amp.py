@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_amp.ipynb #a9c45545
 from __future__ import annotations
-import inspect, math, time, warnings
+import inspect, math, numbers, time, warnings
 import torch
 from torch import nn
 from torch.amp import GradScaler, autocast
@@ -164,11 +164,27 @@ def _model_device(learn) -> torch.device:
 # %% ../nbs/01_amp.ipynb #df596060
 _SCALER_ARGS = tuple(p for p in inspect.signature(GradScaler).parameters if p != 'device')
 
+def _real(v) -> bool: return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+# GradScaler checks only the two factors, and only where it is enabled (fp16): a bad value would otherwise surface at
+# the first scaled step, or never, as a scale of 'big' or a negative growth interval
+_SCALER_VALUES = {
+    'init_scale': ('a finite number above 0', lambda v: _real(v) and 0 < v < math.inf),
+    'growth_factor': ('a finite number above 1', lambda v: _real(v) and 1 < v < math.inf),
+    'backoff_factor': ('a number between 0 and 1', lambda v: _real(v) and 0 < v < 1),
+    'growth_interval': ('a whole number of at least 1',
+                        lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1),
+    'enabled': ('True or False', lambda v: isinstance(v, bool)),
+}
+
 def _check_scaler_kwargs(kwargs:dict) -> dict:
-    "Raise a `TypeError` now (not at fit) for keyword arguments `GradScaler` does not take"
+    "Raise now (not at fit) for keyword arguments `GradScaler` does not take (`TypeError`) or values it cannot use (`ValueError`)"
     bad = sorted(set(kwargs) - set(_SCALER_ARGS))
     if bad: raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, bad))}: MixedPrecision passes its keyword "
                             f"arguments to GradScaler, which takes {', '.join(_SCALER_ARGS)} (and `device`).")
+    for k, v in kwargs.items():
+        what, ok = _SCALER_VALUES.get(k, ('', lambda v: True))   # an argument a later torch adds goes through unchecked
+        if not ok(v): raise ValueError(f"MixedPrecision: GradScaler's {k}={v!r} must be {what}")
     return kwargs
 
 # %% ../nbs/01_amp.ipynb #14c9153b

@@ -58,7 +58,8 @@ def test_switches():
     with pytest.raises(ValueError, match=r"compile='yes': pass True, False"): learn.to_channelslast(compile='yes')
     with pytest.raises(ValueError, match=r"torch.compile has no argument 'modee'; it takes .*mode"):
         learn.to_channelslast(compile=dict(modee='max-autotune'))
-    assert not hasattr(learn, 'channels_last')   # a refused call changes nothing
+    with pytest.raises(ValueError, match=r"GradScaler's init_scale='big' must be"): learn.to_channelslast(init_scale='big')
+    assert not hasattr(learn, 'channels_last') and not hasattr(learn, 'mixed_precision')   # a refused call changes nothing
     assert not is_compiled(learn.model) and next(learn.model.parameters()).is_contiguous()
     learn.to_channelslast(graphs=True).to_channelslast(graphs=True)
     assert sum(isinstance(c, CudaGraphs) for c in learn.cbs) == 1

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_amp.ipynb #a9c45545
 from __future__ import annotations
-import inspect, math, numbers, time, warnings
+import inspect, math, numbers, time
 import torch
 from torch import nn
 from torch.amp import GradScaler, autocast
@@ -15,7 +15,7 @@ from fastai.callback.core import Callback, CancelStepException
 from fastai.callback.fp16 import AMPMode
 from fastai.torch_core import to_float
 from fastai.learner import Learner
-from .core import ClfastWarning
+from .core import warn_user
 from .machine import MachineCache
 from .timing import MARGIN, MAX_PAIRS, Timing, time_pair, decide, forget_timings
 from .guard import model_device
@@ -205,7 +205,7 @@ class MixedPrecision(Callback):
         self._exit_autocast()   # belt and braces: nothing should have been left entered
         self.device = self._device()
         self.dtype, use_scaler, why = resolve_amp(self.device, self.amp_mode)
-        if why: warnings.warn(why, ClfastWarning, stacklevel=2)
+        if why: warn_user(why)
         enabled = self.dtype != torch.float32
         if enabled and self.device.type == 'cpu': self.fp32_ops = cpu_fp32_fallbacks(self.dtype)
         self.autocast = autocast(self.device.type, dtype=self.dtype if enabled else None, enabled=enabled)

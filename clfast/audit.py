@@ -4,7 +4,6 @@
 
 # %% ../nbs/10_audit.ipynb #feb2e922
 from __future__ import annotations
-import warnings
 import pandas as pd
 import torch
 from torch import nn, Tensor
@@ -18,7 +17,7 @@ from fastai.callback.schedule import ParamScheduler
 from .guard import guard_report
 from .routes import short_input_route
 from .amp import MixedPrecision
-from .core import cl_format, is_ambiguous, is_channels_last, is_image_tensor, to_channels_last, model_to
+from .core import cl_format, is_ambiguous, is_channels_last, is_image_tensor, to_channels_last, model_to, warn_user
 
 # %% auto #0
 __all__ = ['ChannelsLastError', 'ChannelsLastReport', 'audit', 'ChannelsLastAudit']
@@ -320,4 +319,4 @@ class ChannelsLastAudit(Callback):
     def before_batch(self):
         if not self.training or self.report is not None: return
         self.report = audit(self.model, *self.xb, strict=self.strict, loss_fn=_learner_loss(self.learn, self.yb))
-        if not self.report.ok: warnings.warn(f"channels-last audit of the first training batch:\n{self.report}")
+        if not self.report.ok: warn_user(f"channels-last audit of the first training batch:\n{self.report}")

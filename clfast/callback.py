@@ -4,7 +4,6 @@
 
 # %% ../nbs/02_callback.ipynb #5d236795
 from __future__ import annotations
-import warnings
 import torch
 from torch import nn
 from torch.amp import GradScaler
@@ -67,8 +66,8 @@ class ChannelsLast(Callback):
 
     def before_fit(self):
         if not has_conv(self.model):
-            warnings.warn("ChannelsLast: the model has no 2D or 3D convolution, so the channels-last format changes "
-                          "nothing for it; remove the callback or call `learn.to_contiguous()`.", ClfastWarning, stacklevel=2)
+            warn_user("ChannelsLast: the model has no 2D or 3D convolution, so the channels-last format changes "
+                      "nothing for it; remove the callback or call `learn.to_contiguous()`.")
         self._check_single_amp()
         if self.fuse and not is_fused(self.model): self.fuse_model()
         model_to(self.model, channels_last=True)
@@ -81,7 +80,7 @@ class ChannelsLast(Callback):
         why = _fused_nothing(unguard_model(self.model), self.fuse)
         if why and not self.__dict__.get('said_nothing_fused'):   # (pickled by an older clfast: not said)
             self.said_nothing_fused = True
-            warnings.warn(why, ClfastWarning, stacklevel=3)   # where `to_channelslast` or the fit was called
+            warn_user(why)   # where `to_channelslast` or the fit was called
 
     def before_validate(self):
         model_to(self.model, channels_last=True)   # `get_preds` runs no `before_fit`
@@ -151,9 +150,8 @@ def to_channelslast(self:Learner,
         return self
     for cb in old:
         if AMPMode(cb.amp_mode) != amp_mode:
-            warnings.warn(f"to_channelslast: replacing MixedPrecision({AMPMode(cb.amp_mode).value}) with "
-                          f"MixedPrecision({amp_mode.value}); call it without amp_mode to keep the attached one.",
-                          ClfastWarning, stacklevel=2)
+            warn_user(f"to_channelslast: replacing MixedPrecision({AMPMode(cb.amp_mode).value}) with "
+                      f"MixedPrecision({amp_mode.value}); call it without amp_mode to keep the attached one.")
         self.remove_cb(cb)
     return self.add_cb(new_amp)
 

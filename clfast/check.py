@@ -11,7 +11,7 @@ from torch import nn, Tensor
 import torch.nn.functional as F
 from fastcore.basics import patch
 from fastai.learner import Learner
-from .core import ClfastWarning
+from .core import ClfastWarning, warn_user
 from .machine import MachineCache, machine_key, clfast_isa
 from . import cpu_kernels
 from .guard import CHECK_CACHE, _conv_params, guard_model
@@ -206,17 +206,16 @@ def check_channelslast(model:nn.Module, *inputs, precision='float32', n:int=2, t
     "Check every distinct conv geometry of `model` on `inputs[:n]` in channels-last against fp64; guard the failing layers"
     precision = _precision(precision)
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
-        warnings.warn("check_channelslast: the model has no nn.Conv2d, so there is nothing to check (channels-last "
-                      "changes nothing for it).", ClfastWarning, stacklevel=2)
+        warn_user("check_channelslast: the model has no nn.Conv2d, so there is nothing to check (channels-last "
+                  "changes nothing for it).")
         return pd.DataFrame(columns=_COLS)
     table = check_geometries(_cached_geometries(model, *[x[:n] for x in inputs]), precision, timeout)
     bad = table[table.status != 'ok']
     if len(bad):
         names = ', '.join(bad.layers)
         act = "guarded (they run on a subsample or contiguous input, fp64-equal)" if guard else "NOT guarded (guard=False)"
-        warnings.warn(f"check_channelslast: the stock channels-last kernels are wrong on this machine ({machine_key()}) "
-                      f"for layers {names}: {', '.join(sorted(set(bad.status)))}. They are {act}; the table says how.",
-                      ClfastWarning, stacklevel=2)
+        warn_user(f"check_channelslast: the stock channels-last kernels are wrong on this machine ({machine_key()}) "
+                  f"for layers {names}: {', '.join(sorted(set(bad.status)))}. They are {act}; the table says how.")
         if guard: guard_model(model)
     return table
 

@@ -9,16 +9,27 @@ from torch import nn, Tensor
 from fastcore.basics import *
 from fastai.torch_core import apply
 from collections.abc import Mapping
-import math
+import math, os, sys, warnings
 
 # %% auto #0
-__all__ = ['ClfastWarning', 'fastai_signature', 'cl_format', 'is_ambiguous', 'is_channels_last', 'is_image_tensor',
+__all__ = ['ClfastWarning', 'warn_user', 'fastai_signature', 'cl_format', 'is_ambiguous', 'is_channels_last', 'is_image_tensor',
            'to_channels_last', 'to_contiguous_format', 'model_to', 'opt_state_to', 'has_conv', 'compile_kwargs',
            'compile_model', 'is_compiled']
 
-# %% ../nbs/00_core.ipynb #cba6e088
+# %% ../nbs/00_core.ipynb #4963739c
 class ClfastWarning(UserWarning):
     "Warnings from clfast's policy (precision fallbacks, formats that change nothing), so they can be filtered as one"
+
+def _library_dirs() -> tuple[str, ...]:
+    "The folders of the code between a user's line and clfast's: clfast, fastai, fastcore, fastprogress, torch, the standard library's contextlib"
+    import contextlib, clfast, fastai, fastcore, fastprogress
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (clfast, fastai, fastcore, fastprogress, torch)) + (contextlib.__file__,)
+
+def warn_user(msg:str):
+    "Warn `msg` at the user's line that led here (a `fit`, a `to_channelslast`), the first caller outside the libraries, however deep"
+    frame, level, lib = sys._getframe(1), 2, _library_dirs()   # level 2: `warn_user`'s caller
+    while frame is not None and frame.f_code.co_filename.startswith(lib): frame, level = frame.f_back, level + 1
+    warnings.warn(msg, ClfastWarning, stacklevel=level if frame is not None else 2)
 
 # %% ../nbs/00_core.ipynb #8e85415b
 import inspect

@@ -4,7 +4,7 @@
 
 # %% ../nbs/23_fused.ipynb #19ec5d01
 from __future__ import annotations
-import contextlib, copy, functools, warnings
+import contextlib, copy, functools
 import torch
 from torch import nn, Tensor
 from .act import ACTS, get_act, act_of
@@ -142,9 +142,9 @@ def _way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_pa
 
 def _untimed(conv:nn.Conv2d, e:Exception) -> str:
     "The way of a layer that cannot be copied or run twice for timing: 'fused', said once"
-    from clfast.core import ClfastWarning   # here: clfast.core imports fastai, which the fused op need not
-    warnings.warn(f"clfast: a fused layer (conv weight {list(conv.weight.shape)}) could not be timed against its stock "
-                  f"way ({type(e).__name__}: {e}); it runs fused", ClfastWarning, stacklevel=4)
+    from clfast.core import warn_user   # here: clfast.core imports fastai, which the fused op need not
+    warn_user(f"clfast: a fused layer (conv weight {list(conv.weight.shape)}) could not be timed against its stock "
+              f"way ({type(e).__name__}: {e}); it runs fused")
     return 'fused'
 
 def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, grad:bool) -> Timing:

@@ -4,14 +4,14 @@
 
 # %% ../nbs/29_graphs.ipynb #dd34a3ea
 from __future__ import annotations
-import functools, gc, warnings
+import functools, gc
 import torch
 from torch import nn, Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastcore.basics import store_attr
 from fastai.callback.core import Callback
 from fastai.torch_core import to_detach
-from .core import ClfastWarning, is_compiled
+from .core import is_compiled, warn_user
 from .fused import steps_for_graphs
 
 # %% auto #0
@@ -251,7 +251,7 @@ class CudaGraphs(Callback):
     def _say(self, why:str, then:str='training eagerly'):
         if why in self.said: return
         self.said.add(why)
-        warnings.warn(f"CudaGraphs: {why}; {then}.", ClfastWarning, stacklevel=3)
+        warn_user(f"CudaGraphs: {why}; {then}.")
 
     def before_fit(self):
         self._remove()

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_guard.ipynb #f429037c
 from __future__ import annotations
-import warnings, weakref
+import weakref
 import torch
 from torch import nn
 from .machine import MachineCache
@@ -97,9 +97,10 @@ def guard_model(model:nn.Module, device:torch.device|str|None=None) -> list:
         guarded.append((name, plan.workaround, plan.why))
     replace_modules(model, new)   # each where its stock module was (the root: in place)
     if skipped:
-        warnings.warn(f"clfast guard: {', '.join(f'{n} ({t})' for n,t in skipped)} would reach a known-bad stock kernel "
-                      "in channels-last but are not stock nn.Conv2d, so clfast cannot guard them: train them "
-                      "contiguous (learn.to_contiguous()) or replace them with nn.Conv2d.", stacklevel=2)
+        from clfast.core import warn_user   # here: clfast.core imports fastai, which the guard need not
+        warn_user(f"clfast guard: {', '.join(f'{n} ({t})' for n,t in skipped)} would reach a known-bad stock kernel "
+                  "in channels-last but are not stock nn.Conv2d, so clfast cannot guard them: train them "
+                  "contiguous (learn.to_contiguous()) or replace them with nn.Conv2d.")
     if guarded: _guard_reports[model] = guarded
     return guarded
 

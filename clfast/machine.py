@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_machine.ipynb #91cc8379
 from __future__ import annotations
-import json, os, platform, tempfile, warnings
+import json, os, platform, tempfile
 from functools import lru_cache
 from pathlib import Path
 import torch
@@ -65,10 +65,9 @@ def clfast_isa() -> str:
                           f"(lowest first), or unset it for this CPU's level ({host})")
     if CPU_LEVELS.index(cap) <= CPU_LEVELS.index(host): return cap
     if cap not in _warned_caps:
-        from clfast.core import ClfastWarning   # here: clfast.core imports fastai, which the CPU probes need not
+        from clfast.core import warn_user   # here: clfast.core imports fastai, which the CPU probes need not
         _warned_caps.add(cap)
-        warnings.warn(f"{ISA_CAP_ENV}={raw} is above this CPU's level: clfast runs at the host's level {host}",
-                      ClfastWarning, stacklevel=2)
+        warn_user(f"{ISA_CAP_ENV}={raw} is above this CPU's level: clfast runs at the host's level {host}")
     return host
 
 # %% ../nbs/04_machine.ipynb #e8ed01dd

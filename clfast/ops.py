@@ -4,7 +4,7 @@
 
 # %% ../nbs/21_ops.ipynb #1d850bd9
 from __future__ import annotations
-import contextlib, functools, inspect, os, shutil, warnings
+import contextlib, functools, inspect, os, shutil
 from types import SimpleNamespace
 from typing import Callable, Optional
 import torch, torch.distributed as dist
@@ -182,8 +182,9 @@ def _load_kernels():
     except CpuIsaError: raise   # a misspelt CLFAST_MAX_CPU_ISA is the user's to fix, not a reason to run slowly
     except Exception as e:
         _loaded['cpu'] = f"{type(e).__name__}: {e}"
-        if not forced: warnings.warn(f"clfast: on the CPU the fused layers run as their stock modules ({_loaded['cpu']}); "
-                                     "on a CUDA GPU they need no C++ library", stacklevel=3)
+        from clfast.core import warn_user   # here: clfast.core imports fastai, which the op need not
+        if not forced: warn_user(f"clfast: on the CPU the fused layers run as their stock modules ({_loaded['cpu']}); "
+                                 "on a CUDA GPU they need no C++ library")
     if forced: _FORCED.append(_serve(forced))
 
 def _cuda_why_not(index:int) -> str|None:
@@ -201,8 +202,8 @@ def _cuda_ready(index:int) -> bool:
     key = f'cuda:{index}'
     if key not in _loaded:
         _loaded[key] = _cuda_why_not(index)
-        if _loaded[key]: warnings.warn(f"clfast: on {key} the fused layers run as their stock modules ({_loaded[key]})",
-                                       stacklevel=4)
+        from clfast.core import warn_user
+        if _loaded[key]: warn_user(f"clfast: on {key} the fused layers run as their stock modules ({_loaded[key]})")
     return _loaded[key] is None
 
 # %% ../nbs/21_ops.ipynb #1c73f99f

@@ -4,7 +4,7 @@
 
 # %% ../nbs/04a_timing.ipynb #330cf92a
 from __future__ import annotations
-import contextlib, math, os, statistics, threading, time, warnings
+import contextlib, math, os, statistics, threading, time
 from dataclasses import dataclass, asdict
 from typing import Callable
 from .machine import MachineCache, machine_key, cache_dir
@@ -181,9 +181,9 @@ def decide(key:str, measure:Callable[[], Timing|bool]) -> Timing|bool:
         mine = machine_key() + ' | clfast '
         if 'another version' not in _said and any(k.startswith(mine) for k in cache._load() if k != cache.key()):
             _said.add('another version')   # (other machines' entries, or this one's at other thread counts, are not ours)
-            from clfast.core import ClfastWarning
-            warnings.warn(f"clfast: the timings cached in {cache.path} for this machine are another clfast version's; "
-                          "this one measures its own (once each).", ClfastWarning, stacklevel=3)
+            from clfast.core import warn_user
+            warn_user(f"clfast: the timings cached in {cache.path} for this machine are another clfast version's; "
+                      "this one measures its own (once each).")
         try:
             with measuring():
                 got = _parse(cache.get(key))   # measured by another process while this one waited
@@ -194,8 +194,8 @@ def decide(key:str, measure:Callable[[], Timing|bool]) -> Timing|bool:
             got = Timing(math.nan, 0, None, math.nan)   # undecided: the default, for this process only
             if key not in _said:
                 _said.add(key)
-                from clfast.core import ClfastWarning   # here: clfast.core imports fastai, which the probes need not
-                warnings.warn(f"clfast: {e}; {key} keeps its default way in this process.", ClfastWarning, stacklevel=3)
+                from clfast.core import warn_user   # here: clfast.core imports fastai, which the probes need not
+                warn_user(f"clfast: {e}; {key} keeps its default way in this process.")
     _here[key] = got
     return got
 

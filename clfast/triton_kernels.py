@@ -4,7 +4,7 @@
 
 # %% ../nbs/20_triton_kernels.ipynb #aad369ff
 from __future__ import annotations
-import contextlib, functools, math, os, warnings
+import contextlib, functools, math, os
 from typing import NamedTuple
 import torch
 from torch import Tensor
@@ -441,7 +441,8 @@ def _launch_compiled(kernel, grid:tuple, args:tuple, meta:dict):
         except TypeError as e:   # the launcher's arguments parsed differently by this Triton: nothing was launched
             _COMPILED.clear()
             launch_way = 'jit'
-            warnings.warn(f"clfast: Triton's compiled kernels could not be called directly ({e}): launching Triton's way")
+            from clfast.core import warn_user
+            warn_user(f"clfast: Triton's compiled kernels could not be called directly ({e}): launching Triton's way")
             kernel[grid](*args, **meta)
 
 @functools.lru_cache(maxsize=None)   # never evicted: a CUDA graph that captured a launch reads the tensor's address

@@ -1,9 +1,9 @@
-import warnings, pytest, torch
+import sys, warnings, pytest, torch
 from torch import nn
 import fastai.callback.fp16 as fastai_fp16
 import fastai.callback.channelslast as fastai_cl
 from fastai.vision.all import Learner, MSELossFlat, DataLoaders, AMPMode, Callback, set_seed
-from clfast.core import is_channels_last
+from clfast.core import is_channels_last, ClfastWarning
 from clfast.amp import MixedPrecision, resolve_amp
 from clfast.callback import ChannelsLast
 from helpers import *
@@ -94,6 +94,17 @@ def test_bad_amp_mode_changes_nothing():
         learn.to_channelslast(amp_mode='fp8')
     assert list(learn.cbs) == before
     with pytest.raises(ValueError, match="use one of"): MixedPrecision('int8')
+
+def test_warnings_name_the_users_line():
+    "A warning from deep in a fit (fastai's callback machinery, then clfast's) names the line that called `fit`, as one from `to_channelslast` names its own"
+    learn = Learner(image_dls(), nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 2)), loss_func=CrossEntropyLossFlat())
+    learn.to_channelslast(amp_mode='bf16')
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with learn.no_bar(), learn.no_logging(): learn.fit(1); fit_line = sys._getframe().f_lineno
+        learn.to_channelslast(amp_mode='fp16'); call_line = sys._getframe().f_lineno
+    got = [(x.filename, x.lineno, str(x.message)[:25]) for x in w if issubclass(x.category, ClfastWarning)]
+    assert got == [(__file__, fit_line, 'ChannelsLast: the model h'), (__file__, call_line, 'to_channelslast: replacin')], got
 
 def test_two_amp_callbacks_refused():
     learn = tiny_learner().to_channelslast(amp_mode='bf16')

@@ -25,14 +25,16 @@ __all__ = ['amp_mode_of', 'cpu_native_dtypes', 'measure_cpu_amp', 'cpu_amp_speed
            'MixedPrecision']
 
 # %% ../nbs/01_amp.ipynb #9bd0fd86
-def amp_mode_of(amp_mode:str|AMPMode) -> AMPMode:
-    "Parse `amp_mode` (fastai's `AMPMode` or its value as a string, any case) or raise a `ValueError` naming the valid modes"
+def amp_mode_of(amp_mode:str|AMPMode|torch.dtype) -> AMPMode:
+    "Parse `amp_mode` (fastai's `AMPMode`, its value as a string in any case, or the torch dtype) or raise a `ValueError` naming the valid modes"
     if isinstance(amp_mode, AMPMode): return amp_mode
+    if amp_mode is torch.float16: return AMPMode.FP16   # the dtypes, as autocast takes them
+    if amp_mode is torch.bfloat16: return AMPMode.BF16
     try: return AMPMode(str(amp_mode).lower())
     except ValueError: pass
     valid = ', '.join(repr(m.value) for m in AMPMode)
-    raise ValueError(f"Unknown amp_mode {amp_mode!r}: use one of {valid} (or fastai's AMPMode), "
-                     "or use_amp=False to train in fp32.")
+    raise ValueError(f"Unknown amp_mode {amp_mode!r}: use one of {valid} (or fastai's AMPMode, or torch.float16 / "
+                     "torch.bfloat16), or use_amp=False to train in fp32.")
 
 # %% ../nbs/01_amp.ipynb #4fa5fb19
 def cpu_native_dtypes() -> set:

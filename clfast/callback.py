@@ -107,6 +107,11 @@ class ChannelsLast(Callback):
 def _find_cbs(learn, *types): return [cb for cb in learn.cbs if type(cb) in types]
 
 # %% ../nbs/02_callback.ipynb #a2c6b31e
+def _check_flags(fn:str, **flags):
+    "Refuse a flag that is not a bool, before anything changes: a string 'False' would be true"
+    for name, flag in flags.items():
+        if isinstance(flag, str) or flag not in (True, False): raise ValueError(f"{fn}: {name}={flag!r} must be True or False")
+
 @patch
 @fastai_signature(Learner.to_channelslast, also=GradScaler)   # fastai's: this patch replaces it just after
 def to_channelslast(self:Learner,
@@ -120,9 +125,7 @@ def to_channelslast(self:Learner,
     **kwargs
 ):
     "Set `Learner` and inputs to `channels_last` format and float16 Mixed Precision by default"
-    for name, flag in (('use_amp', use_amp), ('graphs', graphs), ('auto', auto)):   # a string 'False' is true
-        if isinstance(flag, str) or flag not in (True, False):
-            raise ValueError(f"to_channelslast: {name}={flag!r} must be True or False")
+    _check_flags('to_channelslast', use_amp=use_amp, graphs=graphs, auto=auto)
     compile_kwargs(compile)   # its error before anything changes
     explicit = amp_mode is not None or bool(kwargs)
     if amp_mode is None: amp_mode = AMPMode.FP16
@@ -161,6 +164,7 @@ def to_contiguous(self:Learner,
     to_fp32:bool=False # Also remove `MixedPrecision`, back to single precision
 ):
     "Set `Learner` and inputs to `contiguous_format` (default format), optionally to single precision"
+    _check_flags('to_contiguous', to_fp32=to_fp32)
     unfuse_conv_bn(unguard_model(self.model))
     model_to(self.model, channels_last=False)
     opt_state_to(self.opt, channels_last=False)

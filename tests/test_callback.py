@@ -94,6 +94,10 @@ def test_bad_amp_mode_changes_nothing():
         learn.to_channelslast(amp_mode='fp8')
     assert list(learn.cbs) == before
     with pytest.raises(ValueError, match="use one of"): MixedPrecision('int8')
+    learn.to_channelslast(amp_mode='bf16')
+    with pytest.raises(ValueError, match=r"to_contiguous: to_fp32='no' must be True or False"): learn.to_contiguous(to_fp32='no')
+    assert learn.mixed_precision.amp_mode == AMPMode.BF16 and learn.channels_last   # the refused call changed nothing
+    assert learn.to_channelslast(amp_mode=torch.float16).mixed_precision.amp_mode == AMPMode.FP16   # a dtype, as autocast takes it
 
 def test_warnings_name_the_users_line():
     "A warning from deep in a fit (fastai's callback machinery, then clfast's) names the line that called `fit`, as one from `to_channelslast` names its own"

@@ -202,12 +202,13 @@ class MixedPrecision(Callback):
         self.amp_mode, self.kwargs = amp_mode_of(amp_mode), _check_scaler_kwargs(kwargs)
         self.device_arg = None if device is None else torch.device(device)
         self.dtype, self.autocast, self.fp32_ops = None, None, []
+        self.said = set()   # the precision fallbacks warned about: each once, not at every fit
 
     def before_fit(self):
         self._exit_autocast()   # belt and braces: nothing should have been left entered
         self.device = self._device()
         self.dtype, use_scaler, why = resolve_amp(self.device, self.amp_mode)
-        if why: warn_user(why)
+        if why: warn_user(why, said=self.__dict__.setdefault('said', set()))   # (pickled by an older clfast: none)
         enabled = self.dtype != torch.float32
         if enabled and self.device.type == 'cpu': self.fp32_ops = cpu_fp32_fallbacks(self.dtype)
         self.autocast = autocast(self.device.type, dtype=self.dtype if enabled else None, enabled=enabled)

@@ -58,7 +58,7 @@ class ChannelsLast(Callback):
         super().__init__(**events)
         self.fuse = fuse_mode(fuse)
         self.guarded_on: torch.device|None = None   # the device `guard_model` last decided the model's guards for
-        self.said_nothing_fused = False   # a model that fuses nothing is said once, not at every fit
+        self.said = set()   # what this callback warned about: each once, not at every fit
 
     def _user(self, event:str):
         events = self.__dict__.get('user_events', {})   # a callback pickled by an older clfast has none
@@ -67,7 +67,7 @@ class ChannelsLast(Callback):
     def before_fit(self):
         if not has_conv(self.model):
             warn_user("ChannelsLast: the model has no 2D or 3D convolution, so the channels-last format changes "
-                      "nothing for it; remove the callback or call `learn.to_contiguous()`.")
+                      "nothing for it; remove the callback or call `learn.to_contiguous()`.", said=self._said())
         self._check_single_amp()
         if self.fuse and not is_fused(self.model): self.fuse_model()
         model_to(self.model, channels_last=True)
@@ -78,9 +78,9 @@ class ChannelsLast(Callback):
     def fuse_model(self):
         "Fuse the learner's model in the `fuse` mode (without the CPU guards, which `_guard` puts back where needed)"
         why = _fused_nothing(unguard_model(self.model), self.fuse)
-        if why and not self.__dict__.get('said_nothing_fused'):   # (pickled by an older clfast: not said)
-            self.said_nothing_fused = True
-            warn_user(why)   # where `to_channelslast` or the fit was called
+        if why: warn_user(why, said=self._said())
+
+    def _said(self) -> set: return self.__dict__.setdefault('said', set())   # (a callback pickled by an older clfast has none)
 
     def before_validate(self):
         model_to(self.model, channels_last=True)   # `get_preds` runs no `before_fit`

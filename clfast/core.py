@@ -25,8 +25,11 @@ def _library_dirs() -> tuple[str, ...]:
     import contextlib, clfast, fastai, fastcore, fastprogress
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (clfast, fastai, fastcore, fastprogress, torch)) + (contextlib.__file__,)
 
-def warn_user(msg:str):
-    "Warn `msg` at the user's line that led here (a `fit`, a `to_channelslast`), the first caller outside the libraries, however deep"
+def warn_user(msg:str, said:set|None=None):
+    "Warn `msg` at the user's line that led here (a `fit`, a `to_channelslast`), the first caller outside the libraries, however deep; once per `said` (an owner's set of what it has said)"
+    if said is not None:
+        if msg in said: return
+        said.add(msg)
     frame, level, lib = sys._getframe(1), 2, _library_dirs()   # level 2: `warn_user`'s caller
     while frame is not None and frame.f_code.co_filename.startswith(lib): frame, level = frame.f_back, level + 1
     warnings.warn(msg, ClfastWarning, stacklevel=level if frame is not None else 2)

@@ -100,12 +100,13 @@ def test_bad_amp_mode_changes_nothing():
     assert learn.to_channelslast(amp_mode=torch.float16).mixed_precision.amp_mode == AMPMode.FP16   # a dtype, as autocast takes it
 
 def test_warnings_name_the_users_line():
-    "A warning from deep in a fit (fastai's callback machinery, then clfast's) names the line that called `fit`, as one from `to_channelslast` names its own"
+    "A warning from deep in a fit (fastai's callback machinery, then clfast's) names the line that called `fit`, once per callback; one from `to_channelslast` names its own"
     learn = Learner(image_dls(), nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 2)), loss_func=CrossEntropyLossFlat())
     learn.to_channelslast(amp_mode='bf16')
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         with learn.no_bar(), learn.no_logging(): learn.fit(1); fit_line = sys._getframe().f_lineno
+        with learn.no_bar(), learn.no_logging(): learn.fit(1)   # said once per callback, not at every fit
         learn.to_channelslast(amp_mode='fp16'); call_line = sys._getframe().f_lineno
     got = [(x.filename, x.lineno, str(x.message)[:25]) for x in w if issubclass(x.category, ClfastWarning)]
     assert got == [(__file__, fit_line, 'ChannelsLast: the model h'), (__file__, call_line, 'to_channelslast: replacin')], got

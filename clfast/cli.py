@@ -57,7 +57,8 @@ def demo_parser() -> argparse.ArgumentParser:
     p = _parser('clfast demo', "Train a CNN on scikit-learn's bundled handwritten digits, contiguous fp32 vs "
                 "learn.to_channelslast(), printing a line per epoch and then the comparison table.")
     p.add_argument('--arch', default='simple', type=demo_arch, help="'simple' (a small fastai ConvLayer net), or any "
-                   "torchvision or timm classifier name, e.g. resnet18, resnet18d, convnext_atto (random weights, fastai's vision_learner)")
+                   "torchvision or timm classifier name, e.g. resnet18, resnet18d, convnext_atto (random weights, "
+                   "fastai's vision_learner)")
     p.add_argument('--epochs', type=positive_int, default=3, help="epochs of each run (the first warms up)")
     p.add_argument('--device', default=None, help="cpu, cuda, cuda:1, mps (default: fastai's default device)")
     p.add_argument('--amp', default='auto', choices=['auto', 'fp16', 'bf16', 'none'],

@@ -23,7 +23,8 @@ class ClfastWarning(UserWarning):
 def _library_dirs() -> tuple[str, ...]:
     "The folders of the code between a user's line and clfast's: clfast, fastai, fastcore, fastprogress, torch, the standard library's contextlib"
     import contextlib, clfast, fastai, fastcore, fastprogress
-    return tuple(os.path.dirname(m.__file__) + os.sep for m in (clfast, fastai, fastcore, fastprogress, torch)) + (contextlib.__file__,)
+    packages = (clfast, fastai, fastcore, fastprogress, torch)
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in packages) + (contextlib.__file__,)
 
 def warn_user(msg:str, said:set|None=None):
     "Warn `msg` at the user's line that led here (a `fit`, a `to_channelslast`), the first caller outside the libraries, however deep; once per `said` (an owner's set of what it has said)"

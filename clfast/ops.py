@@ -182,9 +182,10 @@ def _load_kernels():
     except CpuIsaError: raise   # a misspelt CLFAST_MAX_CPU_ISA is the user's to fix, not a reason to run slowly
     except Exception as e:
         _loaded['cpu'] = f"{type(e).__name__}: {e}"
-        from clfast.core import warn_user   # here: clfast.core imports fastai, which the op need not
-        if not forced: warn_user(f"clfast: on the CPU the fused layers run as their stock modules ({_loaded['cpu']}); "
-                                 "on a CUDA GPU they need no C++ library")
+        if not forced:
+            from clfast.core import warn_user   # here: clfast.core imports fastai, which the op need not
+            warn_user(f"clfast: on the CPU the fused layers run as their stock modules ({_loaded['cpu']}); on a CUDA GPU "
+                      "they need no C++ library")
     if forced: _FORCED.append(_serve(forced))
 
 def _cuda_why_not(index:int) -> str|None:
@@ -202,8 +203,9 @@ def _cuda_ready(index:int) -> bool:
     key = f'cuda:{index}'
     if key not in _loaded:
         _loaded[key] = _cuda_why_not(index)
-        from clfast.core import warn_user
-        if _loaded[key]: warn_user(f"clfast: on {key} the fused layers run as their stock modules ({_loaded[key]})")
+        if _loaded[key]:
+            from clfast.core import warn_user
+            warn_user(f"clfast: on {key} the fused layers run as their stock modules ({_loaded[key]})")
     return _loaded[key] is None
 
 # %% ../nbs/21_ops.ipynb #1c73f99f

@@ -108,7 +108,8 @@ def test_warnings_name_the_users_line():
         with learn.no_bar(), learn.no_logging(): learn.fit(1); fit_line = sys._getframe().f_lineno
         with learn.no_bar(), learn.no_logging(): learn.fit(1)   # said once per callback, not at every fit
         learn.to_channelslast(amp_mode='fp16'); call_line = sys._getframe().f_lineno
-    got = [(x.filename, x.lineno, str(x.message)[:25]) for x in w if issubclass(x.category, ClfastWarning)]
+    got = [(x.filename, x.lineno, str(x.message)[:25]) for x in w   # (a CPU without native bf16 also has its fallback said)
+           if issubclass(x.category, ClfastWarning) and str(x.message).startswith(('ChannelsLast', 'to_channelslast'))]
     assert got == [(__file__, fit_line, 'ChannelsLast: the model h'), (__file__, call_line, 'to_channelslast: replacin')], got
 
 def test_two_amp_callbacks_refused():

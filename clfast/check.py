@@ -204,6 +204,10 @@ def grad_error(grads:dict, ref:dict, floor:float=1e-3) -> float:
 def check_channelslast(model:nn.Module, *inputs, precision='float32', n:int=2, timeout:float=60,
                        guard:bool=True) -> pd.DataFrame:
     "Check every distinct conv geometry of `model` on `inputs[:n]` in channels-last against fp64; guard the failing layers"
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"check_channelslast: n={n!r} must be a whole number of batch items to check on, 1 or more")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:   # 0 would call every conv hung
+        raise ValueError(f"check_channelslast: timeout={timeout!r} must be seconds above 0 that a geometry may take")
     precision = _precision(precision)
     if not any(isinstance(m, nn.Conv2d) for m in model.modules()):
         warn_user("check_channelslast: the model has no nn.Conv2d, so there is nothing to check (channels-last "

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse, importlib, sys
 
 # %% auto #0
-__all__ = ['COMMANDS', 'PARSERS', 'positive_int', 'classifier_name', 'demo_arch', 'demo_parser', 'audit_models_parser',
-           'bench_parser', 'check_parser', 'build_parser', 'main']
+__all__ = ['COMMANDS', 'PARSERS', 'positive_int', 'positive_float', 'classifier_name', 'demo_arch', 'demo_parser',
+           'audit_models_parser', 'bench_parser', 'check_parser', 'build_parser', 'main']
 
 # %% ../nbs/90_cli.ipynb #10a5a663
 COMMANDS = {  # subcommand -> (module with `main(options)`, what it does); the options are parsed here (PARSERS)
@@ -30,6 +30,13 @@ def positive_int(s:str) -> int:
     try: v = int(s)
     except ValueError: raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
     if v < 1: raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+def positive_float(s:str) -> float:
+    "An argparse type: a number above 0"
+    try: v = float(s)
+    except ValueError: raise argparse.ArgumentTypeError(f"{s!r} is not a number") from None
+    if not v > 0: raise argparse.ArgumentTypeError(f"must be above 0, got {s}")
     return v
 
 def classifier_name(s:str) -> str:
@@ -109,7 +116,7 @@ def check_parser() -> argparse.ArgumentParser:
     p.add_argument('--size', type=positive_int, default=224, help="input image size")
     p.add_argument('--channels', type=positive_int, default=3, help="input channels")
     p.add_argument('--precision', default='float32', choices=['float32', 'bfloat16', 'float16'])
-    p.add_argument('--timeout', type=float, default=60, help="seconds a geometry may take before it counts as hung")
+    p.add_argument('--timeout', type=positive_float, default=60, help="seconds a geometry may take before it counts as hung")
     return p
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,6 +18,7 @@ from .core import *
 from .amp import cpu_amp_speed, _DTYPE_NAMES
 from .timing import MARGIN
 from .fuse import fuse_conv_bn, unfuse_conv_bn
+from .fused import MODES
 from .guard import guard_model, unguard_model
 from .check import grad_error
 from .graphs import GraphedForward
@@ -35,6 +36,14 @@ class Setup:
     fuse: str|None = None
     compile: bool = False
     graphs: bool = False
+
+    def __post_init__(self):
+        "A clear error for a setup that no training can take, before anything is measured"
+        for f in ('channels_last', 'compile', 'graphs'):
+            if not isinstance(getattr(self, f), bool): raise ValueError(f"Setup: {f}={getattr(self, f)!r} must be True or False")
+        if self.dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(f"Setup: dtype={self.dtype!r} must be None (fp32), torch.float16 or torch.bfloat16")
+        if self.fuse not in (None, *MODES): raise ValueError(f"Setup: fuse={self.fuse!r} must be None, 'speed' or 'memory'")
 
     @property
     def name(self) -> str:
@@ -231,6 +240,8 @@ def measure_setups(model:nn.Module, batches:list, loss_func, make_opt, setups:li
         raise ValueError("the batches hold no 4D/5D floating-point image tensor: the format finder measures image models.")
     device = torch.device(device or next(model.parameters()).device)
     setups = list(setups or default_setups(device))
+    if bad := [s for s in setups if not isinstance(s, Setup)]:
+        raise ValueError(f"setups must be `Setup`s, e.g. Setup(dtype=torch.bfloat16, fuse='speed'); got {bad[0]!r}")
     if BASELINE not in setups: setups.insert(0, BASELINE)
     bs = len(batches[0][0][0])
     trainers, errors = {}, {}

@@ -38,6 +38,11 @@ def test_demo_any_arch(capsys):
         assert out.index('[2/2] to_channelslast') < out.index('setup ') and f'arch={arch}, 1 epoch, bs=8' in out
         assert '(20 real scans' in out
 
+def test_check_timeout_above_zero():
+    r = _run('check', '--timeout', '0')
+    assert 'exit 2' in r.stdout and 'argument --timeout: must be above 0, got 0' in r.stderr and 'heavy False' in r.stdout, \
+        r.stdout + r.stderr
+
 @pytest.mark.parametrize('cmd', ['demo', 'bench', 'check'])
 def test_unknown_arch_is_an_option_error(cmd):
     "A misspelt --arch stops at the options with the nearest names, as any bad option does, not in a traceback"

@@ -1,5 +1,5 @@
 "The format finder: measures setups on the learner's own batches, never changes the learner, applies the best"
-import math, random, numpy as np, pandas as pd, pytest, torch
+import math, random, re, numpy as np, pandas as pd, pytest, torch
 from torch import nn
 from fastai.vision.all import Learner, DataLoaders, CrossEntropyLossFlat, MSELossFlat
 import clfast.finder as finder
@@ -122,6 +122,13 @@ def test_bad_input_clear_message_nothing_changed():
             learn.format_find(n_batches=n, show_plot=False)
     with pytest.raises(ValueError, match=r"budget=-1 must be seconds"): learn.format_find(budget=-1, show_plot=False)
     with pytest.raises(ValueError, match=r"bench_model: steps=0 must be"): bench_model('resnet18', steps=0)
+    # setups: a name for one, or a Setup no training could take, used to fail deep in the measuring
+    with pytest.raises(ValueError, match=r"setups must be `Setup`s, e.g. .*; got 'fast'"):
+        learn.format_find(setups=['fast'], show_plot=False)
+    for kw, msg in [(dict(fuse='sped'), "fuse='sped' must be None, 'speed' or 'memory'"),
+                    (dict(dtype='bf16'), "dtype='bf16' must be None"), (dict(dtype=torch.float64), "dtype=torch.float64"),
+                    (dict(graphs='no'), "graphs='no' must be True or False")]:
+        with pytest.raises(ValueError, match=re.escape(msg)): Setup(**kw)
     assert not hasattr(learn, 'channels_last')
 
 def test_best_setup_judges_by_numerics_against_fp64():

@@ -352,6 +352,14 @@ def test_check_no_conv(cache_dir):
     with pytest.warns(UserWarning, match='no nn.Conv2d'):
         assert len(check.check_channelslast(nn.Sequential(nn.Flatten(), nn.Linear(12, 2)), torch.randn(2, 3, 2, 2))) == 0
 
+def test_check_counts_refused_before_a_child_runs(cache_dir):
+    "n=0 failed in a reshape; a timeout of 0 or below called every conv hung and guarded the model"
+    learn = thin_stem_learner(2, size=8)
+    for kw, msg in [(dict(n=0), 'n=0 must be a whole number'), (dict(n=1.5), 'n=1.5 must be'),
+                    (dict(timeout=0), 'timeout=0 must be seconds above 0'), (dict(timeout=-1), 'timeout=-1 must be')]:
+        with mock.patch.object(check.subprocess, 'Popen', side_effect=AssertionError("no child expected")):
+            with pytest.raises(ValueError, match=msg): learn.check_channelslast(**kw)
+
 @pytest.mark.parametrize('failure,status', [('import os; os.abort()', 'crashed'), ('import time; time.sleep(600)', 'timeout')])
 def test_check_crash_or_hang_is_a_finding(cache_dir, monkeypatch, failure, status):
     "A child that dies or hangs on a geometry marks that geometry failing (and guarded), within the time bound"

@@ -130,7 +130,8 @@ def _run_child(cases:list, timeout:float, startup:float) -> dict:
                 ready = select.select([proc.stdout], [], [], max(left, 0))[0] if left > 0 else []
                 if not ready:   # a hang: the case running (or the first) is the finding
                     proc.kill(); proc.wait()
-                    results[current or pending[0][0]] = dict(status='timeout', error=float('nan'), worst=f"no result in {timeout:.0f} s")
+                    results[current or pending[0][0]] = dict(status='timeout', error=float('nan'), worst=f"no result in {timeout:.0f} s",
+                                                            timeout=timeout)
                     break
                 chunk = os.read(proc.stdout.fileno(), 1 << 16)
                 if not chunk:   # the child ended
@@ -158,7 +159,9 @@ _COLS = ['layers', 'cin', 'cout', 'k', 'stride', 'padding', 'groups', 'hw', 'pre
 def check_geometries(geoms:dict, precision:str='float32', timeout:float=60, startup:float=120) -> pd.DataFrame:
     "Check each geometry of `conv_geometries` against fp64 (cached per machine); a table with a row per geometry"
     cache = MachineCache(CHECK_CACHE)
-    known = cache.entries()
+    # a geometry that hung is known to hang only within the time it was given: a longer timeout checks it again
+    known = {k: r for k, r in cache.entries().items()
+             if not (isinstance(r, dict) and r.get('status') == 'timeout' and r.get('timeout', 0) < timeout)}
     keys = {g: json.dumps(dict(conv=json.loads(g[0]), hw=list(g[1]), precision=precision), sort_keys=True) for g in geoms}
     todo = [(k, json.loads(g[0]), list(g[1]), precision) for g, k in keys.items() if k not in known]
     fresh = _run_child(todo, timeout, startup) if todo else {}

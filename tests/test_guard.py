@@ -377,6 +377,13 @@ for key, conv, hw, precision in cases:
         table = check.check_channelslast(net, torch.randn(2, 3, 8, 8), timeout=3)
     assert list(table.status) == ['ok', status, 'ok']
     assert [n for n, *_ in guard_report(net)] == ['1'] and net[1]._cl_guard.workaround == 'contiguous'
+    # the verdict is cached for this machine; a hang only within the time it was given: a longer timeout checks again
+    monkeypatch.setattr(check, '_CHILD', [sys.executable, '-c', code.replace(failure, 'pass')])
+    again = check.check_channelslast(net, torch.randn(2, 3, 8, 8), timeout=3)
+    assert list(again.status) == ['ok', status, 'ok'] and again.cached.all()
+    longer = check.check_channelslast(net, torch.randn(2, 3, 8, 8), timeout=5)
+    assert list(longer.status) == ['ok', status if status == 'crashed' else 'ok', 'ok']
+    assert list(longer.cached) == [True, status == 'crashed', True]
 
 @pytest.mark.parametrize('fuse', [False, 'speed', 'memory'])
 def test_guard_under_autocast(fuse):

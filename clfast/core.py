@@ -31,9 +31,12 @@ def warn_user(msg:str, said:set|None=None):
     if said is not None:
         if msg in said: return
         said.add(msg)
-    frame, level, lib = sys._getframe(1), 2, _library_dirs()   # level 2: `warn_user`'s caller
-    while frame is not None and frame.f_code.co_filename.startswith(lib): frame, level = frame.f_back, level + 1
-    warnings.warn(msg, ClfastWarning, stacklevel=level if frame is not None else 2)
+    lib = _library_dirs() + ('<frozen importlib',)   # (an import's own frames too: a warning raised while importing)
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(lib): frame = frame.f_back
+    g = frame.f_globals   # then as `warnings.warn` does for the frame it finds, without counting frames to it
+    warnings.warn_explicit(msg, ClfastWarning, frame.f_code.co_filename, frame.f_lineno, g.get('__name__', '<string>'),
+                           g.setdefault('__warningregistry__', {}), g)
 
 # %% ../nbs/00_core.ipynb #8e85415b
 import inspect

@@ -52,3 +52,23 @@ def test_opt_state_to_torch_optimizer():
     assert st_['step'].dim() == 0                          # scalars untouched
     opt_state_to(opt, channels_last=False)
     assert st_['exp_avg'].is_contiguous() and st_['exp_avg_sq'].is_contiguous()
+
+def test_a_warning_raised_while_importing_names_the_users_import(tmp_path, monkeypatch):
+    "Library modules importing each other (importlib's frames between them) are passed over to the user's import line"
+    import sys, warnings, clfast.core
+    from clfast.core import ClfastWarning
+    lib, user = tmp_path/'lib', tmp_path/'user'
+    (lib/'clfast_test_pkg').mkdir(parents=True); user.mkdir()
+    (lib/'clfast_test_pkg'/'__init__.py').write_text('')
+    (lib/'clfast_test_pkg'/'inner.py').write_text('from clfast.core import warn_user\nwarn_user("said while importing")\n')
+    (lib/'clfast_test_pkg'/'outer.py').write_text('import clfast_test_pkg.inner\n')
+    (user/'clfast_test_user.py').write_text('"a user module"\nimport clfast_test_pkg.outer\n')
+    library = clfast.core._library_dirs()
+    monkeypatch.setattr(clfast.core, '_library_dirs', lambda: library + (str(lib) + '/',))   # as if it were fastai's
+    for p in (lib, user): monkeypatch.syspath_prepend(str(p))
+    for m in ('clfast_test_pkg', 'clfast_test_pkg.inner', 'clfast_test_pkg.outer', 'clfast_test_user'):
+        monkeypatch.delitem(sys.modules, m, raising=False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        import clfast_test_user
+    assert [(x.category, x.filename, x.lineno) for x in w] == [(ClfastWarning, str(user/'clfast_test_user.py'), 2)]

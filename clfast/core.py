@@ -34,9 +34,10 @@ def warn_user(msg:str, said:set|None=None):
     lib = _library_dirs() + ('<frozen importlib',)   # (an import's own frames too: a warning raised while importing)
     frame = sys._getframe(1)
     while frame.f_back is not None and frame.f_code.co_filename.startswith(lib): frame = frame.f_back
-    g = frame.f_globals   # then as `warnings.warn` does for the frame it finds, without counting frames to it
+    g = frame.f_globals   # then as `warnings.warn` does for the frame it finds (its source line from the file, not
+    # from the module's loader: `python -c`'s cannot give one), without counting frames to it
     warnings.warn_explicit(msg, ClfastWarning, frame.f_code.co_filename, frame.f_lineno, g.get('__name__', '<string>'),
-                           g.setdefault('__warningregistry__', {}), g)
+                           g.setdefault('__warningregistry__', {}))
 
 # %% ../nbs/00_core.ipynb #8e85415b
 import inspect

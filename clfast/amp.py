@@ -208,7 +208,7 @@ class MixedPrecision(Callback):
         self._exit_autocast()   # belt and braces: nothing should have been left entered
         self.device = self._device()
         self.dtype, use_scaler, why = resolve_amp(self.device, self.amp_mode)
-        if why: warn_user(why, said=self.__dict__.setdefault('said', set()))   # (pickled by an older clfast: none)
+        if why: warn_user(why, once_for=self)
         enabled = self.dtype != torch.float32
         if enabled and self.device.type == 'cpu': self.fp32_ops = cpu_fp32_fallbacks(self.dtype)
         self.autocast = autocast(self.device.type, dtype=self.dtype if enabled else None, enabled=enabled)

@@ -67,7 +67,7 @@ class ChannelsLast(Callback):
     def before_fit(self):
         if not has_conv(self.model):
             warn_user("ChannelsLast: the model has no 2D or 3D convolution, so the channels-last format changes "
-                      "nothing for it; remove the callback or call `learn.to_contiguous()`.", said=self._said())
+                      "nothing for it; remove the callback or call `learn.to_contiguous()`.", once_for=self)
         self._check_single_amp()
         if self.fuse and not is_fused(self.model): self.fuse_model()
         model_to(self.model, channels_last=True)
@@ -78,9 +78,7 @@ class ChannelsLast(Callback):
     def fuse_model(self):
         "Fuse the learner's model in the `fuse` mode (without the CPU guards, which `_guard` puts back where needed)"
         why = _fused_nothing(unguard_model(self.model), self.fuse)
-        if why: warn_user(why, said=self._said())
-
-    def _said(self) -> set: return self.__dict__.setdefault('said', set())   # (a callback pickled by an older clfast has none)
+        if why: warn_user(why, once_for=self)
 
     def before_validate(self):
         model_to(self.model, channels_last=True)   # `get_preds` runs no `before_fit`

@@ -26,9 +26,10 @@ def _library_dirs() -> tuple[str, ...]:
     packages = (clfast, fastai, fastcore, fastprogress, torch)
     return tuple(os.path.dirname(m.__file__) + os.sep for m in packages) + (contextlib.__file__,)
 
-def warn_user(msg:str, said:set|None=None):
-    "Warn `msg` at the user's line that led here (a `fit`, a `to_channelslast`), the first caller outside the libraries, however deep; once per `said` (an owner's set of what it has said)"
-    if said is not None:
+def warn_user(msg:str, once_for:object=None):
+    "Warn `msg` at the user's line that led here (a `fit`, a `to_channelslast`), the first caller outside the libraries, however deep; once for the owner `once_for` (kept in its declared `said` set)"
+    if once_for is not None:
+        said = once_for.__dict__.setdefault('said', set())   # (an owner pickled by an older clfast has none yet)
         if msg in said: return
         said.add(msg)
     lib = _library_dirs() + ('<frozen importlib',)   # (an import's own frames too: a warning raised while importing)

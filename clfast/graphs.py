@@ -248,7 +248,7 @@ class CudaGraphs(Callback):
         # the last fit's: the batch shapes it replayed, the first capture failures a second capture got past
         self.said, self.last_captured, self.last_retried = set(), 0, []
 
-    def _say(self, why:str, then:str='training eagerly'): warn_user(f"CudaGraphs: {why}; {then}.", said=self.said)
+    def _say(self, why:str, then:str='training eagerly'): warn_user(f"CudaGraphs: {why}; {then}.", once_for=self)
 
     def before_fit(self):
         self._remove()

@@ -15,7 +15,7 @@ from fastai.callback.core import Callback, CancelStepException
 from fastai.callback.fp16 import AMPMode
 from fastai.torch_core import to_float
 from fastai.learner import Learner
-from .core import warn_user
+from .core import warn_user, _is_count
 from .machine import MachineCache
 from .timing import MARGIN, MAX_PAIRS, Timing, time_pair, decide, forget_timings
 from .guard import model_device
@@ -174,8 +174,7 @@ _SCALER_VALUES = {
     'init_scale': ('a finite number above 0', lambda v: _real(v) and 0 < v < math.inf),
     'growth_factor': ('a finite number above 1', lambda v: _real(v) and 1 < v < math.inf),
     'backoff_factor': ('a number between 0 and 1', lambda v: _real(v) and 0 < v < 1),
-    'growth_interval': ('a whole number of at least 1',
-                        lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1),
+    'growth_interval': ('a whole number of at least 1', _is_count),
     'enabled': ('True or False', lambda v: isinstance(v, bool)),
 }
 

@@ -14,6 +14,7 @@ from fastai.callback.fp16 import AMPMode
 import fastai.callback.fp16 as fastai_fp16
 import fastai.callback.channelslast as fastai_cl
 from .core import *
+from .core import _check_flags   # (a star import leaves out private names)
 import cloudpickle
 from .amp import MixedPrecision, amp_mode_of, _amp_cbs, _model_device
 from .fused import MODES
@@ -105,11 +106,6 @@ class ChannelsLast(Callback):
 def _find_cbs(learn, *types): return [cb for cb in learn.cbs if type(cb) in types]
 
 # %% ../nbs/02_callback.ipynb #a2c6b31e
-def _check_flags(fn:str, **flags):
-    "Refuse a flag that is not a bool, before anything changes: a string 'False' would be true"
-    for name, flag in flags.items():
-        if isinstance(flag, str) or flag not in (True, False): raise ValueError(f"{fn}: {name}={flag!r} must be True or False")
-
 @patch
 @fastai_signature(Learner.to_channelslast, also=GradScaler)   # fastai's: this patch replaces it just after
 def to_channelslast(self:Learner,

@@ -11,7 +11,7 @@ from torch import nn, Tensor
 import torch.nn.functional as F
 from fastcore.basics import patch
 from fastai.learner import Learner
-from .core import ClfastWarning, warn_user
+from .core import ClfastWarning, warn_user, _is_count
 from .machine import MachineCache, machine_key, clfast_isa
 from . import cpu_kernels
 from .guard import CHECK_CACHE, _conv_params, guard_model
@@ -207,7 +207,7 @@ def grad_error(grads:dict, ref:dict, floor:float=1e-3) -> float:
 def check_channelslast(model:nn.Module, *inputs, precision='float32', n:int=2, timeout:float=60,
                        guard:bool=True) -> pd.DataFrame:
     "Check every distinct conv geometry of `model` on `inputs[:n]` in channels-last against fp64; guard the failing layers"
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    if not _is_count(n):
         raise ValueError(f"check_channelslast: n={n!r} must be a whole number of batch items to check on, 1 or more")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:   # 0 would call every conv hung
         raise ValueError(f"check_channelslast: timeout={timeout!r} must be seconds above 0 that a geometry may take")

@@ -9,7 +9,7 @@ from torch import nn, Tensor
 from fastcore.basics import *
 from fastai.torch_core import apply
 from collections.abc import Mapping
-import math, os, sys, warnings
+import math, numbers, os, sys, warnings
 
 # %% auto #0
 __all__ = ['ClfastWarning', 'warn_user', 'fastai_signature', 'cl_format', 'is_ambiguous', 'is_channels_last', 'is_image_tensor',
@@ -39,6 +39,15 @@ def warn_user(msg:str, once_for:object=None):
     # from the module's loader: `python -c`'s cannot give one), without counting frames to it
     warnings.warn_explicit(msg, ClfastWarning, frame.f_code.co_filename, frame.f_lineno, g.get('__name__', '<string>'),
                            g.setdefault('__warningregistry__', {}))
+
+def _is_count(v, least:int=1) -> bool:
+    "A whole number (not a bool) of at least `least`: the one rule for the counts clfast's functions take"
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= least
+
+def _check_flags(who:str, **flags):
+    "Refuse a flag that is not a bool, before anything changes: a string 'False' would be true"
+    for name, flag in flags.items():
+        if isinstance(flag, str) or flag not in (True, False): raise ValueError(f"{who}: {name}={flag!r} must be True or False")
 
 # %% ../nbs/00_core.ipynb #8e85415b
 import inspect

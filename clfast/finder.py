@@ -15,6 +15,7 @@ from fastai.learner import Learner
 from fastai.torch_core import apply
 from fastprogress.fastprogress import progress_bar
 from .core import *
+from .core import _check_flags, _is_count
 from .amp import cpu_amp_speed, _DTYPE_NAMES
 from .timing import MARGIN
 from .fuse import fuse_conv_bn, unfuse_conv_bn
@@ -39,8 +40,7 @@ class Setup:
 
     def __post_init__(self):
         "A clear error for a setup that no training can take, before anything is measured"
-        for f in ('channels_last', 'compile', 'graphs'):
-            if not isinstance(getattr(self, f), bool): raise ValueError(f"Setup: {f}={getattr(self, f)!r} must be True or False")
+        _check_flags('Setup', channels_last=self.channels_last, compile=self.compile, graphs=self.graphs)
         if self.dtype not in (None, torch.float16, torch.bfloat16):
             raise ValueError(f"Setup: dtype={self.dtype!r} must be None (fp32), torch.float16 or torch.bfloat16")
         if self.fuse not in (None, *MODES): raise ValueError(f"Setup: fuse={self.fuse!r} must be None, 'speed' or 'memory'")
@@ -147,7 +147,7 @@ class _RNGStates:
 
 def _check_steps(who:str, steps_name:str, steps, budget):
     "A clear error for a number of measured steps below one or a negative budget, before anything is measured"
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    if not _is_count(steps):
         raise ValueError(f"{who}: {steps_name}={steps!r} must be a whole number of training steps to time, 1 or more")
     if budget is not None and not budget >= 0:
         raise ValueError(f"{who}: budget={budget!r} must be seconds, 0 or more (each setup then times at least one "

@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fastcore.basics import store_attr
 from fastai.callback.core import Callback
 from fastai.torch_core import to_detach
-from .core import is_compiled, warn_user
+from .core import is_compiled, warn_user, _is_count
 from .fused import steps_for_graphs
 
 # %% auto #0
@@ -173,9 +173,9 @@ def _signature(args:tuple) -> tuple|None:
 
 def _check_counts(warm, max_graphs):
     "A clear error, before any step trains, for counts that mean nothing: a negative warm-up, no graph at all"
-    if not (isinstance(warm, int) and warm >= 0):
+    if not _is_count(warm, 0):
         raise ValueError(f"CudaGraphs: warm={warm!r} must be a whole number of eager steps, 0 or more (default {WARM_STEPS})")
-    if not (isinstance(max_graphs, int) and max_graphs >= 1):
+    if not _is_count(max_graphs):
         raise ValueError(f"CudaGraphs: max_graphs={max_graphs!r} would capture nothing: pass 1 or more (a graph per batch "
                          "shape), or leave CudaGraphs out to train eagerly")
 

@@ -15,7 +15,7 @@ from fastai.callback.core import Callback, CancelStepException
 from fastai.callback.fp16 import AMPMode
 from fastai.torch_core import to_float
 from fastai.learner import Learner
-from .core import warn_user, _is_count
+from .core import warn_user, _is_count, _take_fastai_name
 from .machine import MachineCache
 from .timing import MARGIN, MAX_PAIRS, Timing, time_pair, decide, forget_timings
 from .guard import model_device
@@ -269,6 +269,7 @@ def one_batch(self:Learner, i, b):
 
 # %% ../nbs/01_amp.ipynb #432fb6fb
 import fastai.callback.fp16 as _fastai_fp16
+_take_fastai_name(_fastai_fp16.MixedPrecision, MixedPrecision)   # `MixedPrecision()` is clfast's in either import order
 
 def _amp_cbs(learn) -> list:
     return [cb for cb in learn.cbs if isinstance(cb, (MixedPrecision, _fastai_fp16.MixedPrecision))]

@@ -14,7 +14,7 @@ from fastai.callback.fp16 import AMPMode
 import fastai.callback.fp16 as fastai_fp16
 import fastai.callback.channelslast as fastai_cl
 from .core import *
-from .core import _check_flags   # (a star import leaves out private names)
+from .core import _check_flags, _take_fastai_name   # (a star import leaves out private names)
 import cloudpickle
 from .amp import MixedPrecision, amp_mode_of, _amp_cbs, _model_device
 from .fused import MODES
@@ -101,6 +101,9 @@ class ChannelsLast(Callback):
         amps = _amp_cbs(self.learn)
         if len(amps) > 1: raise ValueError(f"{len(amps)} MixedPrecision callbacks are attached ({amps}): keep one, "
                                            "e.g. call `learn.to_fp32()` then `learn.to_channelslast(amp_mode=...)`.")
+
+# `ChannelsLast()` is this callback whichever of fastai and clfast a notebook star-imports last
+_take_fastai_name(fastai_cl.ChannelsLast, ChannelsLast)
 
 # %% ../nbs/02_callback.ipynb #32725359
 def _find_cbs(learn, *types): return [cb for cb in learn.cbs if type(cb) in types]

@@ -65,6 +65,18 @@ def fastai_signature(fastai_fn, also=None):
         return f
     return _apply
 
+def _take_fastai_name(original:type, new:type):
+    """Make `new` what `from fastai.vision.all import *` (any fastai `all` module) gives for `original`'s name, in
+    either import order: the loaded fastai modules a star import takes every name from (those without `__all__`)
+    swap `original` for `new`, and `fastai.callback.all` is loaded first, so those imported later take `new` from it.
+    The module that defines `original` keeps it: fastai's own code and pickles name it there."""
+    import importlib
+    importlib.import_module('fastai.callback.all')
+    name = original.__name__
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith('fastai.') and not hasattr(mod, '__all__') and getattr(mod, name, None) is original:
+            setattr(mod, name, new)
+
 # %% ../nbs/00_core.ipynb #28be3849
 def cl_format(t:Tensor):
     "The channels-last memory format for `t`'s rank: `channels_last` for 4D, `channels_last_3d` for 5D, else None"

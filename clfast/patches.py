@@ -36,6 +36,11 @@ PATCHES = [
           "arguments checked at once"),
     Patch(_L + 'to_bf16', 'clfast.amp', 'replaces', 'import', "clfast's MixedPrecision: fp32 where bf16 would be emulated"),
     Patch(_L + 'to_fp32', 'clfast.amp', 'replaces', 'import', "removes clfast's MixedPrecision as well as fastai's"),
+    Patch('fastai.callback.all:ChannelsLast', 'clfast.callback', 'replaces', 'import',
+          "in fastai's `all` modules (star imports), so `ChannelsLast()` is clfast's whichever of `from fastai.vision.all "
+          "import *` and `from clfast.all import *` comes last; `fastai.callback.channelslast` keeps fastai's"),
+    Patch('fastai.callback.all:MixedPrecision', 'clfast.amp', 'replaces', 'import',
+          "as ChannelsLast: `MixedPrecision()` is clfast's in either import order; `fastai.callback.fp16` keeps fastai's"),
     Patch(_L + 'audit_channelslast', 'clfast.audit', 'adds', 'import', "the channel-thrashing audit of a learner"),
     Patch(_L + 'check_channelslast', 'clfast.check', 'adds', 'import', "the per-geometry numerics check of a learner"),
     Patch(_L + 'format_find', 'clfast.finder', 'adds', 'import', "the format finder, on the learner's own batches"),

@@ -20,6 +20,8 @@ def test_every_patch_in_the_source_is_listed():
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and any(getattr(d, 'id', None) == 'patch' for d in node.decorator_list):
                 found.add((mod, node.name))
+            if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == '_take_fastai_name':   # a name in fastai's `all` modules
+                found.add((mod, node.args[0].attr))
             if isinstance(node, ast.Call) and getattr(node.func, 'attr', None) == 'impl' and ast.unparse(node).startswith('_lstm_lib'):
                 found.add((mod, 'input'))
             if isinstance(node, ast.Assign):
@@ -48,3 +50,20 @@ def test_patches_are_in_effect_where_and_when_listed():
 def test_each_patch_says_why():
     assert all(p.why and p.kind in ('adds', 'replaces', 'wraps', 'registers') and p.by.startswith('clfast.') for p in PATCHES)
     assert len({p.target for p in PATCHES}) == len(PATCHES)
+
+def test_clfast_callbacks_in_either_import_order():
+    "`from clfast.all import *` first, fastai's `all` modules after: `ChannelsLast()`/`MixedPrecision()` are still clfast's"
+    out = _run("""
+        from clfast.all import *
+        from fastai.vision.all import *
+        print(ChannelsLast.__module__, MixedPrecision.__module__)
+        from fastai.tabular.all import *   # an `all` module first imported after clfast
+        print(ChannelsLast.__module__, MixedPrecision.__module__)
+        import fastai.callback.channelslast as fc, fastai.callback.fp16 as ff   # fastai's own, which exports pickle
+        print(fc.ChannelsLast.__module__, ff.MixedPrecision.__module__)""")
+    assert out.splitlines() == ['clfast.callback clfast.amp'] * 2 + ['fastai.callback.channelslast fastai.callback.fp16'], out
+    out = _run("""
+        from fastai.vision.all import *
+        from clfast.all import *
+        print(ChannelsLast.__module__, MixedPrecision.__module__)""")
+    assert out == 'clfast.callback clfast.amp', out

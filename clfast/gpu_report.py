@@ -11,10 +11,11 @@ import torch
 from torch import nn
 from . import ops, triton_kernels as tk
 from .act import ACTS
+from .fused import MODES
 from .reference import ConvGeometry
 
 # %% auto #0
-__all__ = ['MODELS', 'DTYPES', 'MODES', 'BATCH', 'SIZE', 'LAYER_ACTS', 'GPUS', 'LATENCY', 'MARGIN', 'FULL_ARCHS', 'MODEL_ARCHS',
+__all__ = ['MODELS', 'DTYPES', 'BATCH', 'SIZE', 'LAYER_ACTS', 'GPUS', 'LATENCY', 'MARGIN', 'FULL_ARCHS', 'MODEL_ARCHS',
            'KERNEL_ORDER', 'TRAFFIC_LAYERS', 'PREDICTED', 'KERNELS_MD', 'Launch', 'recording', 'model_step',
            'layer_step', 'option_steps', 'launch_plan', 'Spec', 'specialize', 'specializations', 'GPU', 'bytes_needed',
            'occupancy', 'Compiled', 'compile_spec', 'serves', 'Report', 'compile_report', 'report_table', 'Pass',
@@ -51,7 +52,6 @@ def recording(run:bool=True, phase:str=''):
 # %% ../nbs/27_gpu_report.ipynb #3b576076
 MODELS = ('resnet50', 'efficientnet_b0')
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MODES = ('speed', 'memory')
 BATCH, SIZE = 256, 224          # the models' batch and image size: an H100 training step's
 
 def _triton_on_meta():

@@ -8,6 +8,7 @@ import pytest, torch
 
 triton = pytest.importorskip('triton')
 from clfast import gpu_report as gr, triton_kernels as tk
+from clfast.fused import MODES
 
 ROOT = Path(__file__).parent.parent
 
@@ -72,7 +73,7 @@ def test_kernels_md_is_generated(report):
 def test_traffic_model():
     """The traffic model's fused passes are the launches' (2 forward, 2 backward over the activations), and for
     ResNet's conv-BN-add-ReLU the fused step moves 12 elements' bytes per output element where stock moves 16"""
-    for mode in gr.MODES:
+    for mode in MODES:
         launches = gr.layer_step(torch.bfloat16, 'relu', residual=True, mode=mode, grads=(True, True, True))
         fused = gr.fused_passes(launches, mode, 2)
         kernels = [p for p in fused if not p.conv]

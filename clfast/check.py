@@ -117,6 +117,12 @@ def check_worker(stdin=None, stdout=None):
 # %% ../nbs/06_check.ipynb #45812994
 _CHILD = [sys.executable, '-c', 'from clfast.check import check_worker; check_worker()']
 
+def _not_started(why:str) -> RuntimeError:
+    "A child that ends or hangs before its first case found nothing about any conv: an error, never a cached verdict"
+    return RuntimeError(f"check_channelslast checked, cached and guarded nothing: its child process {why}, before the "
+                        f"first conv. The child runs `{sys.executable} -c 'from clfast.check import check_worker'`: see "
+                        f"that this imports, with this environment.")
+
 def _run_child(cases:list, timeout:float, startup:float) -> dict:
     "Run `cases` [(key, conv, hw, precision)] in child processes; {key: result}, crashes and hangs included"
     results, pending = {}, list(cases)
@@ -124,31 +130,31 @@ def _run_child(cases:list, timeout:float, startup:float) -> dict:
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(_CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=os.environ.copy())
             proc.stdin.write(json.dumps(pending).encode()); proc.stdin.close()
-            current, buf, deadline = None, b'', time.monotonic() + startup + timeout
+            current, buf, deadline, done = None, b'', time.monotonic() + startup + timeout, 0
             while True:
                 left = deadline - time.monotonic()
                 ready = select.select([proc.stdout], [], [], max(left, 0))[0] if left > 0 else []
-                if not ready:   # a hang: the case running (or the first) is the finding
+                if not ready:   # a hang: the case running is the finding
                     proc.kill(); proc.wait()
-                    results[current or pending[0][0]] = dict(status='timeout', error=float('nan'), worst=f"no result in {timeout:.0f} s",
-                                                            timeout=timeout)
-                    break
+                    if current is not None:
+                        results[current] = dict(status='timeout', error=float('nan'), worst=f"no result in {timeout:.0f} s",
+                                                timeout=timeout)
+                    elif not done: raise _not_started(f"did not start within {startup + timeout:.0f} s")
+                    break   # (hung between two cases: no conv's finding; the next child goes on)
                 chunk = os.read(proc.stdout.fileno(), 1 << 16)
                 if not chunk:   # the child ended
                     rc = proc.wait()
-                    if current is not None or rc != 0:
-                        err.seek(0); tail = err.read().decode(errors='replace').strip().splitlines()
-                        why = f"child process died ({'signal ' + str(-rc) if rc < 0 else 'exit ' + str(rc)})" + (f": {tail[-1][:160]}" if tail else '')
-                        if current is None:   # died before any case: nothing will work, say why for all
-                            for k, *_ in pending: results[k] = dict(status='error', error=float('nan'), worst=why)
-                        else: results[current] = dict(status='crashed', error=float('nan'), worst=why)
+                    err.seek(0); tail = err.read().decode(errors='replace').strip().splitlines()
+                    why = f"died ({'signal ' + str(-rc) if rc < 0 else 'exit ' + str(rc)}" + (f": {tail[-1][:160]})" if tail else ')')
+                    if current is not None: results[current] = dict(status='crashed', error=float('nan'), worst=f"child process {why}")
+                    elif not done: raise _not_started(why)
                     break
                 buf += chunk
                 *lines, buf = buf.split(b'\n')
                 for line in lines:
                     msg = json.loads(line)
                     if msg.pop('started', False): current, deadline = msg['key'], time.monotonic() + timeout
-                    else: results[msg.pop('key')] = msg; current = None
+                    else: results[msg.pop('key')] = msg; current = None; done += 1
             proc.stdout.close()
         pending = [c for c in pending if c[0] not in results]
     return results

@@ -8,12 +8,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam
 import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import bad_kernels, guard, routes, check, timing
-from clfast.machine import onednn_isa
+from clfast.machine import onednn_isa, MachineCache
 from clfast.bad_kernels import KNOWN_BAD_KERNELS, GuardPlan, route, bad_kernels_for
 from clfast.routes import (GuardedConv2d, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD, short_input_slower,
                            weight_grad_in_nchw, may_meet_slow_backward, slow_backward_conv, SLOW_BF16_BACKWARD,
                            reduced_backward_slower)
-from clfast.guard import guard_model, unguard_model, guard_report, IMPRECISE_CL_BATCH_NORM
+from clfast.guard import guard_model, unguard_model, guard_report, IMPRECISE_CL_BATCH_NORM, CHECK_CACHE
 from clfast.bn import PreciseBatchNorm2d
 from clfast.fuse import fusion_report, unfuse_conv_bn
 from clfast.fused import FusedConvBN2d
@@ -384,6 +384,25 @@ for key, conv, hw, precision in cases:
     longer = check.check_channelslast(net, torch.randn(2, 3, 8, 8), timeout=5)
     assert list(longer.status) == ['ok', status if status == 'crashed' else 'ok', 'ok']
     assert list(longer.cached) == [True, status == 'crashed', True]
+
+@pytest.mark.parametrize('failure,why', [('import no_such_module', r"died \(exit 1: ModuleNotFoundError"),
+                                         ('import time; time.sleep(600)', 'did not start within 2 s')])
+def test_check_child_failing_before_any_conv_is_an_error(cache_dir, monkeypatch, failure, why):
+    """A child that dies or hangs before its first case (it cannot import clfast, say) found nothing about any conv:
+    an error that says so, nothing cached, nothing guarded (it used to mark every geometry 'error', cache that for
+    this machine and guard every conv for good); the next check, with a working child, checks them"""
+    monkeypatch.setattr(check, '_CHILD', [sys.executable, '-c', failure])
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 1))
+    x = torch.randn(2, 3, 8, 8)
+    # (check_geometries: its start-up allowance shortened, where check_channelslast gives a child 120 s to start)
+    with pytest.raises(RuntimeError, match=f"checked, cached and guarded nothing: its child process {why}"):
+        check.check_geometries(check.conv_geometries(net, x), timeout=1, startup=1)
+    if 'sleep' not in failure:
+        with pytest.raises(RuntimeError, match='before the first conv'): check.check_channelslast(net, x)
+    assert guard_report(net) == [] and not [k for k in MachineCache(CHECK_CACHE).entries() if not k.startswith('geometries')]
+    monkeypatch.undo(); monkeypatch.setenv('CLFAST_CACHE_DIR', str(cache_dir))
+    table = check.check_channelslast(net, x)
+    assert list(table.status) == ['ok', 'ok'] and not table.cached.any()
 
 @pytest.mark.parametrize('fuse', [False, 'speed', 'memory'])
 def test_guard_under_autocast(fuse):

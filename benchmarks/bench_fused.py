@@ -18,6 +18,7 @@ from torch import nn
 from clfast.fuse import fuse_conv_bn, fold_conv_bn, fusion_report
 from clfast.cpu_kernels import set_gemm_backward, gemm_backward_choices
 from clfast.fused import set_layer_way
+from clfast.machine import STEADY_HEAP   # glibc kept from faulting in fresh pages each step (`--steady-heap`)
 
 MiB = 2**20
 
@@ -221,9 +222,6 @@ def section_overhead(args):
 
 NEVER_SLOWER_MODELS = ('resnet50', 'efficientnet_b0', 'mobilenetv3_large_100', 'regnety_016', 'tv:densenet121')
 
-# glibc's malloc (mallopt(3)): allocations under 32 MiB from the heap, and freed memory kept up to 64 GiB, so a
-# training step's activations reuse pages instead of faulting in fresh zeroed ones from mmap each step
-STEADY_HEAP = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(64 << 30)}
 
 RATIOS = {'speed': ('to_channelslast', 'speed'), 'speed_vs_plain': ('channels_last', 'speed'),
           'route': ('channels_last', 'to_channelslast')}

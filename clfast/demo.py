@@ -8,11 +8,10 @@ import argparse, time, warnings
 import torch, torch.nn.functional as F
 from torch import nn
 from fastcore.basics import *
-from fastai.data.core import DataLoaders
-from fastai.data.transforms import RandomSplitter
-from fastai.torch_core import TensorImage, TensorCategory, set_seed, find_bs, default_device
+from fastai.data.core import DataLoaders, Datasets, TfmdLists
+from fastai.data.transforms import RandomSplitter, Categorize, Normalize
+from fastai.torch_core import TensorImage, set_seed, find_bs, default_device
 from fastai.layers import ConvLayer, Flatten
-from fastai.losses import CrossEntropyLossFlat
 from fastai.metrics import accuracy
 from fastai.learner import Learner
 from fastai.callback.core import Callback
@@ -20,6 +19,7 @@ from fastai.callback.schedule import fit_one_cycle
 from fastai.callback.progress import *
 from .core import ClfastWarning
 from .amp import cpu_amp_speed, _cpu_choice
+from .machine import keep_heap_steady
 import clfast.callback
 
 # %% auto #0
@@ -28,17 +28,20 @@ __all__ = ['digits_dls', 'simple_cnn', 'demo_learner', 'Throughput', 'EpochLine'
 
 # %% ../nbs/03_demo.ipynb #f9398606
 def digits_dls(bs:int=64, size:int=32, valid_pct:float=0.2, seed:int=42, device=None, n_items:int|None=None) -> DataLoaders:
-    "scikit-learn's 1,797 bundled handwritten digits (or the first `n_items`) as normalized 3 x `size` x `size` images, split `valid_pct`"
+    """scikit-learn's 1,797 bundled handwritten digits (or the first `n_items`) as 3 x `size` x `size` images, split
+    `valid_pct`, normalized per batch. Built as fastai builds any: `Datasets` of `TensorImage`s and `Categorize`d labels,
+    so `learn.predict`, `tta`, `show_results` and `export` (which fastai alone loads) work on it"""
     from sklearn.datasets import load_digits
     digits = load_digits()
     digits.images, digits.target = digits.images[:n_items], digits.target[:n_items]
     x = torch.tensor(digits.images, dtype=torch.float32)[:, None] / 16
-    x = F.interpolate(x, size=(size, size), mode='bilinear', align_corners=False).expand(-1, 3, -1, -1)
-    x = TensorImage(((x - x.mean()) / x.std()).contiguous())
-    y = TensorCategory(torch.tensor(digits.target))
-    train, valid = RandomSplitter(valid_pct, seed=seed)(range(len(y)))
-    dsets = [list(zip(x[i], y[i])) for i in (train, valid)]
-    return DataLoaders.from_dsets(*dsets, bs=bs, device=device or default_device())
+    x = F.interpolate(x, size=(size, size), mode='bilinear', align_corners=False).expand(-1, 3, -1, -1).contiguous()
+    splits = RandomSplitter(valid_pct, seed=seed)(range(len(x)))
+    tls = [TfmdLists(list(TensorImage(x)), [], splits=splits),
+           TfmdLists(digits.target.tolist(), [Categorize(vocab=list(range(10)))], splits=splits)]
+    # num_workers=0: the images are in memory, and a worker process would only take a core from the training
+    return Datasets(tls=tls, n_inp=1).dataloaders(bs=bs, device=device or default_device(), num_workers=0,
+                                                  after_batch=Normalize.from_stats([x.mean().item()] * 3, [x.std().item()] * 3))
 
 # %% ../nbs/03_demo.ipynb #82f4c754
 def simple_cnn(n_out:int=10, widths=(32, 64, 128, 256)) -> nn.Sequential:
@@ -51,15 +54,14 @@ def simple_cnn(n_out:int=10, widths=(32, 64, 128, 256)) -> nn.Sequential:
 def demo_learner(arch:str='simple', bs:int=64, device=None, n_items:int|None=None) -> Learner:
     "A `Learner` on the digits: `arch` is 'simple', a torchvision model name or a timm model name (never pretrained)"
     dls = digits_dls(bs=bs, device=device, n_items=n_items)
-    kw = dict(loss_func=CrossEntropyLossFlat(), metrics=accuracy)   # the digits' plain tensors carry no vocab to infer it from
-    if arch == 'simple': return Learner(dls, simple_cnn(), **kw)
+    if arch == 'simple': return Learner(dls, simple_cnn(dls.c), metrics=accuracy)   # fastai infers the loss from the labels
     import torchvision
     from fastai.vision.learner import vision_learner
     from clfast.audit_models import classifier_source
     try: zoo = classifier_source(arch)
     except ValueError as e: raise ValueError(f"{e}; or 'simple', the demo's small CNN") from None
     return vision_learner(dls, getattr(torchvision.models, arch) if zoo == 'torchvision' else arch, pretrained=False,
-                          n_out=10, **kw)
+                          metrics=accuracy)
 
 # %% ../nbs/03_demo.ipynb #0aea869f
 class Throughput(Callback):
@@ -139,7 +141,10 @@ def format_results(results, arch, epochs, bs) -> str:
 
 # %% ../nbs/03_demo.ipynb #083062f4
 def main(a:argparse.Namespace):
-    "`clfast demo`, given its options (parsed by `clfast.cli.demo_parser` before torch loads)"
+    """`clfast demo`, given its options (parsed by `clfast.cli.demo_parser` before torch loads). Its process keeps
+    glibc's heap steady (`clfast.machine.keep_heap_steady`), as the benchmarks can: otherwise whichever setup runs
+    first may page-fault fresh memory at every step and the other not, by the heap's history, not by its format"""
+    keep_heap_steady()
     res = run_demo(a.arch, a.epochs, a.device, a.amp, a.bs, seed=a.seed, fuse=a.fuse, progress=True, n_items=a.items)
     print()
     print(format_results(res, a.arch, a.epochs, a.bs))

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['CPU_LEVELS', 'LEVEL_FLAGS', 'ISA_CAP_ENV', 'ISA_ORDER', 'ISA_ENV', 'cpu_name', 'cpu_flags', 'CpuIsaError', 'is_x86',
-           'host_isa', 'clfast_isa', 'onednn_isa', 'cpu_isa', 'machine_key', 'cache_dir', 'MachineCache']
+__all__ = ['CPU_LEVELS', 'LEVEL_FLAGS', 'ISA_CAP_ENV', 'ISA_ORDER', 'ISA_ENV', 'STEADY_HEAP', 'cpu_name', 'cpu_flags',
+           'CpuIsaError', 'is_x86', 'host_isa', 'clfast_isa', 'onednn_isa', 'cpu_isa', 'machine_key', 'cache_dir',
+           'MachineCache', 'keep_heap_steady']
 
 # %% ../nbs/04_machine.ipynb #81318da0
 def _cpuinfo() -> dict:
@@ -156,3 +157,18 @@ class MachineCache:
             os.replace(tmp, self.path)
         except OSError: pass
         return self
+
+# glibc's malloc told to keep a training step's memory: allocations under 32 MiB from the heap, and freed memory kept
+# (not trimmed) up to 64 GiB, so the activations of one step reuse the pages of the last instead of faulting in fresh
+# zero-filled ones from mmap. Which of two setups pays those faults in one process depends on the heap's history, not
+# on the setup: the benchmarks' `--steady-heap` and `clfast demo` compare setups without them.
+STEADY_HEAP = {'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(64 << 30)}
+
+def keep_heap_steady() -> bool:
+    "`STEADY_HEAP` in this process, through mallopt(3) (for the whole process, for good); False where the C library is not glibc"
+    import ctypes
+    try: mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError): return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, int_max = -1, -3, 2**31 - 1   # mallopt takes a C int
+    return all(mallopt(opt, min(int(STEADY_HEAP[env]), int_max)) == 1 for opt, env in
+               [(M_MMAP_THRESHOLD, 'MALLOC_MMAP_THRESHOLD_'), (M_TRIM_THRESHOLD, 'MALLOC_TRIM_THRESHOLD_')])

@@ -15,6 +15,7 @@ from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision as FastaiMP
 from fastai.callback.schedule import ParamScheduler
 from .guard import guard_report
+from .stock import need_module
 from .routes import short_input_route
 from .amp import MixedPrecision
 from .core import cl_format, is_ambiguous, is_channels_last, is_image_tensor, to_channels_last, model_to, warn_user
@@ -223,7 +224,7 @@ def _scalar(out) -> Tensor:
 # %% ../nbs/10_audit.ipynb #59318abb
 def audit(model:nn.Module, *inputs, backward:bool=True, strict:bool=False, loss_fn=None) -> ChannelsLastReport:
     "Run `model(*inputs)` and a backward on `loss_fn(output)` (default: the outputs' sum), recording layout events"
-    if not isinstance(model, nn.Module): raise TypeError(f"audit needs an nn.Module, got {type(model).__name__}")
+    need_module(model, 'audit', 'learn.audit_channelslast()')
     names = {n: type(m).__name__ for n, m in model.named_modules()}
     weight_shapes = {tuple(p.shape) for p in model.parameters() if cl_format(p) is not None}
     mode, saved, handles = _LayoutMode(names, weight_shapes, strict), _Preserved(model), []

@@ -15,6 +15,7 @@ from .core import ClfastWarning, warn_user, _is_count
 from .machine import MachineCache, machine_key, clfast_isa
 from . import cpu_kernels
 from .guard import CHECK_CACHE, _conv_params, guard_model
+from .stock import need_module
 from .amp import MixedPrecision, resolve_amp
 from .audit import _train_batches
 from .timing import report
@@ -213,6 +214,7 @@ def grad_error(grads:dict, ref:dict, floor:float=1e-3) -> float:
 def check_channelslast(model:nn.Module, *inputs, precision='float32', n:int=2, timeout:float=60,
                        guard:bool=True) -> pd.DataFrame:
     "Check every distinct conv geometry of `model` on `inputs[:n]` in channels-last against fp64; guard the failing layers"
+    need_module(model, 'check_channelslast', 'learn.check_channelslast()')
     if not _is_count(n):
         raise ValueError(f"check_channelslast: n={n!r} must be a whole number of batch items to check on, 1 or more")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:   # 0 would call every conv hung

@@ -9,6 +9,7 @@ from torch import nn, Tensor
 from fastcore.basics import *
 from fastai.torch_core import apply
 from collections.abc import Mapping
+from .stock import need_module
 import math, numbers, os, sys, warnings
 
 # %% auto #0
@@ -116,6 +117,7 @@ def _param_format(t:Tensor, channels_last:bool):
 # %% ../nbs/00_core.ipynb #eb2c2ce6
 def model_to(model:nn.Module, channels_last:bool=True) -> nn.Module:
     "Convert `model`'s 4D/5D parameters, gradients and buffers to channels-last (or back to contiguous) in place"
+    need_module(model, 'model_to')
     return model._apply(lambda t: _param_format(t, channels_last) if cl_format(t) is not None else t)
 
 # %% ../nbs/00_core.ipynb #ebb72c4c

@@ -8,7 +8,7 @@ import weakref
 import torch
 from torch import nn
 from .machine import MachineCache
-from .stock import rebuilt, replace_modules
+from .stock import rebuilt, replace_modules, need_module
 from .bn import make_precise, imprecise_cl_batch_norm, can_be_precise, is_precise, is_sync_bn
 from .bad_kernels import GuardPlan, bad_kernels_for
 from .routes import (MeasuredKernel, SHORT_INPUT_WGRAD, SLOW_BF16_BACKWARD, SLOW_FP16_BACKWARD, SLOW_POINTWISE_MAPS,
@@ -47,6 +47,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None):
 # %% ../nbs/05_guard.ipynb #88188536
 def unguard_model(model:nn.Module) -> nn.Module:
     "Remove every guard `guard_model` put on `model`, in place (guarded convs and precise BNs back to their stock classes); idempotent"
+    need_module(model, 'unguard_model')
     stock = {}
     for m in model.modules():
         if getattr(m, '_cl_guard', None) is not None: m._cl_guard = None
@@ -76,6 +77,7 @@ def guard_model(model:nn.Module, device:torch.device|str|None=None) -> list:
     BatchNorm2d precise where the stock one measured imprecise; returns the convs guarded, [(name, workaround, why)].
     CPU models only: where `device` (default: `model_device(model)`) is not the CPU, the model is left stock (its guards
     removed) and no premise is probed, since every guard, route and probe is about a CPU kernel"""
+    need_module(model, 'guard_model')
     unguard_model(model)
     if torch.device(model_device(model) if device is None else device).type != 'cpu': return []
     failures, guarded, skipped, new = _checked_failures(), [], [], {}

@@ -8,7 +8,7 @@ import copy, copyreg
 from torch import nn
 
 # %% auto #0
-__all__ = ['AsStock', 'rebuilt', 'replace_modules']
+__all__ = ['AsStock', 'rebuilt', 'replace_modules', 'need_module']
 
 # %% ../nbs/18_stock.ipynb #d4cc79cb
 class AsStock:
@@ -53,3 +53,14 @@ def replace_modules(root:nn.Module, new:dict) -> nn.Module:
         root.__dict__.clear(); root.__dict__.update(state)
         root.__class__ = type(new[root])
     return root
+
+def need_module(model, who:str, learner_way:str|None=None) -> nn.Module:
+    "`model`, when it is an `nn.Module`; else a TypeError for `who` that says what to pass (a Learner's model, a name's model)"
+    if isinstance(model, nn.Module): return model
+    if isinstance(getattr(model, 'model', None), nn.Module):   # a fastai Learner (its attributes reach the model too)
+        why = f"got a {type(model).__name__}: pass its model, `{who}(learn.model, ...)`" + (f", or call `{learner_way}`" if learner_way else '')
+    elif isinstance(model, str):
+        why = (f"not a name ({model!r}): create the model first, e.g. `timm.create_model({model!r})` or "
+               f"`torchvision.models.{model}()`")
+    else: why = f"got {type(model).__name__}"
+    raise TypeError(f"{who} takes an nn.Module, {why}")

@@ -72,3 +72,25 @@ def test_a_warning_raised_while_importing_names_the_users_import(tmp_path, monke
         warnings.simplefilter('always')
         import clfast_test_user
     assert [(x.category, x.filename, x.lineno) for x in w] == [(ClfastWarning, str(user/'clfast_test_user.py'), 2)]
+
+def _model_functions():
+    from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, fold_conv_bn, fusion_report, is_fused
+    from clfast.guard import guard_model, unguard_model
+    from clfast.audit import audit
+    from clfast.check import check_channelslast
+    x = torch.randn(2, 3, 8, 8)
+    return {'fuse_conv_bn': fuse_conv_bn, 'unfuse_conv_bn': unfuse_conv_bn, 'fold_conv_bn': fold_conv_bn,
+            'fusion_report': fusion_report, 'is_fused': is_fused, 'guard_model': guard_model, 'unguard_model': unguard_model,
+            'model_to': model_to, 'audit': lambda m: audit(m, x), 'check_channelslast': lambda m: check_channelslast(m, x)}
+
+@pytest.mark.parametrize('name', list(_model_functions()))
+def test_model_functions_say_what_to_pass(name):
+    "A model's name or a Learner where a model goes: a TypeError saying what to pass (they failed deep inside, or a Learner's attribute delegation half-worked)"
+    from helpers import tiny_learner
+    f, learn = _model_functions()[name], tiny_learner()
+    before = {k: v.clone() for k, v in learn.model.state_dict().items()}
+    with pytest.raises(TypeError, match=rf"{name} takes an nn.Module, not a name \('resnet18'\): create the model first"): f('resnet18')
+    with pytest.raises(TypeError, match=rf"{name} takes an nn.Module, got a Learner: pass its model, `{name}\(learn.model, ...\)`"): f(learn)
+    with pytest.raises(TypeError, match=rf"{name} takes an nn.Module, got NoneType"): f(None)
+    assert all(type(m).__module__.startswith(('torch.', 'fastai.')) for m in learn.model.modules())   # nothing swapped in
+    assert all(torch.equal(v, before[k]) for k, v in learn.model.state_dict().items())

@@ -9,6 +9,7 @@ import torch
 from torch import nn, Tensor
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 from ..guard import unguard_model
+from ..stock import need_module
 from ..act import ACTS
 from ..fused import FusedConvBN2d, _FusedMixin, conv_geometry
 from .report import _reports
@@ -96,6 +97,7 @@ def _foldable(conv, bn):
 
 def fold_conv_bn(model:nn.Module, inplace:bool=False, onednn:bool=True) -> nn.Module:
     "For inference: fold each BN into the conv before it (and fuse ReLU / the shortcut add); a copy unless `inplace`"
+    need_module(model, 'fold_conv_bn')
     if model.training:
         raise RuntimeError("fold_conv_bn is for inference and uses BN's running statistics: call model.eval() first")
     m = model if inplace else copy.deepcopy(model)

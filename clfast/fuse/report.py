@@ -8,6 +8,7 @@ import weakref
 from dataclasses import dataclass, field
 from torch import nn
 from ..guard import guard_report
+from ..stock import need_module
 
 # %% auto #0
 __all__ = ['FusionReport', 'fusion_report']
@@ -38,6 +39,7 @@ _reports = weakref.WeakKeyDictionary()
 
 def fusion_report(model:nn.Module) -> FusionReport|None:
     "The report of the last `fuse_conv_bn` on `model` (None if it was never fused), with where the guard acts now"
+    need_module(model, 'fusion_report')
     report = _reports.get(model)
     if report is not None: report.guarded = guard_report(model)
     return report

@@ -9,7 +9,7 @@ import torch.fx as fx
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from ..bn import make_precise, cpu_sync_capable
-from ..stock import rebuilt, replace_modules
+from ..stock import rebuilt, replace_modules, need_module
 from ..act import act_of
 from ..fused import FusedConvBN2d, _FusedMixin, check_mode, fusable_bn, pass_through
 from .report import FusionReport, _reports
@@ -210,10 +210,12 @@ class _Tracer(fx.Tracer):
 # %% ../../nbs/24d_fuse_surgery.ipynb #a61302f1
 def is_fused(model:nn.Module) -> bool:
     "True if `fuse_conv_bn` fused anything in `model` (a standalone `FusedConvBN2d` does not count: it is not undone)"
+    need_module(model, 'is_fused')
     return any(isinstance(m, _FusedMixin) and getattr(m, 'surgical', True) for m in model.modules())
 
 def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Module:
     "Fuse conv → BN (→ activation) (+ add) in `model` in place, keeping parameters and `state_dict`; idempotent, switches mode"
+    need_module(model, 'fuse_conv_bn')
     check_mode(mode)
     _install_sync_converter()   # from now on PyTorch's (and timm's) converter must know fused layers
     for m in model.modules():
@@ -233,6 +235,7 @@ def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Mo
 
 def unfuse_conv_bn(model:nn.Module) -> nn.Module:
     "Turn every module `fuse_conv_bn` fused back into its stock class in place; idempotent"
+    need_module(model, 'unfuse_conv_bn')
     replace_modules(model, {m: m._stock_module() for m in model.modules()
                             if isinstance(m, _FusedMixin) and getattr(m, 'surgical', True)})
     _reports.pop(model, None)

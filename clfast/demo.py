@@ -26,7 +26,7 @@ import clfast.callback
 __all__ = ['digits_dls', 'simple_cnn', 'demo_learner', 'Throughput', 'EpochLine', 'auto_amp', 'run_demo', 'format_results',
            'main']
 
-# %% ../nbs/03_demo.ipynb #f9398606
+# %% ../nbs/03_demo.ipynb #7eda68b4
 def digits_dls(bs:int=64, size:int=32, valid_pct:float=0.2, seed:int=42, device=None, n_items:int|None=None) -> DataLoaders:
     """scikit-learn's 1,797 bundled handwritten digits (or the first `n_items`) as 3 x `size` x `size` images, split
     `valid_pct`, normalized per batch. Built as fastai builds any: `Datasets` of `TensorImage`s and `Categorize`d labels,
@@ -39,7 +39,7 @@ def digits_dls(bs:int=64, size:int=32, valid_pct:float=0.2, seed:int=42, device=
     splits = RandomSplitter(valid_pct, seed=seed)(range(len(x)))
     tls = [TfmdLists(list(TensorImage(x)), [], splits=splits),
            TfmdLists(digits.target.tolist(), [Categorize(vocab=list(range(10)))], splits=splits)]
-    # num_workers=0: the images are in memory, and a worker process would only take a core from the training
+    # num_workers=0: the images are in memory, and worker processes would only take cores from the training
     return Datasets(tls=tls, n_inp=1).dataloaders(bs=bs, device=device or default_device(), num_workers=0,
                                                   after_batch=Normalize.from_stats([x.mean().item()] * 3, [x.std().item()] * 3))
 

@@ -22,8 +22,8 @@ from .timing import report
 from .audit_models import create_model
 
 # %% auto #0
-__all__ = ['CHECK_TOLERANCE', 'conv_geometries', 'conv_numerics', 'check_worker', 'check_geometries', 'grad_error',
-           'check_channelslast', 'main']
+__all__ = ['CHECK_TOLERANCE', 'conv_geometries', 'conv_numerics', 'check_worker', 'CheckNotStarted', 'check_geometries',
+           'grad_error', 'check_channelslast', 'main']
 
 # %% ../nbs/06_check.ipynb #40c2d139
 def conv_geometries(model:nn.Module, *inputs) -> dict:
@@ -118,9 +118,12 @@ def check_worker(stdin=None, stdout=None):
 # %% ../nbs/06_check.ipynb #45812994
 _CHILD = [sys.executable, '-c', 'from clfast.check import check_worker; check_worker()']
 
-def _not_started(why:str) -> RuntimeError:
+class CheckNotStarted(RuntimeError):
+    "The check's child process ended or hung before its first case: it found nothing about any conv"
+
+def _not_started(why:str) -> CheckNotStarted:
     "A child that ends or hangs before its first case found nothing about any conv: an error, never a cached verdict"
-    return RuntimeError(f"check_channelslast checked, cached and guarded nothing: its child process {why}, before the "
+    return CheckNotStarted(f"check_channelslast checked, cached and guarded nothing: its child process {why}, before the "
                         f"first conv. The child runs `{sys.executable} -c 'from clfast.check import check_worker'`: see "
                         f"that this imports, with this environment.")
 
@@ -256,7 +259,8 @@ def main(a:argparse.Namespace):
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always', ClfastWarning)
-        table = check_channelslast(model, torch.randn(2, a.channels, a.size, a.size), precision=a.precision, timeout=a.timeout)
+        try: table = check_channelslast(model, torch.randn(2, a.channels, a.size, a.size), precision=a.precision, timeout=a.timeout)
+        except CheckNotStarted as e: raise SystemExit(f"clfast check: {e}") from None   # what to do, not a traceback
     print(table.drop(columns=['precision']).to_string(index=False, max_colwidth=48))
     bad = int((table.status != 'ok').sum())
     print(f"\n{a.arch} at {a.size}px, {a.precision}: {len(table)} conv geometries, {bad} failing, "

@@ -65,3 +65,12 @@ def test_check_says_which_kernel_levels_are_built(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     want = ', '.join(f"{l} ({w or 'not built'})" for l, w in built_levels().items())
     assert f"clfast's C++ CPU kernels for torch {torch.__version__}: {want}" in r.stdout, r.stdout[-2000:]
+
+def test_check_whose_child_cannot_start_says_so(tmp_path, monkeypatch, capsys):
+    "`clfast check --arch` whose checking process cannot import clfast: the reason and what to do, no traceback, exit 1"
+    from clfast import check
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(check, '_CHILD', [sys.executable, '-c', 'import no_such_module'])
+    with pytest.raises(SystemExit, match=r"^clfast check: check_channelslast checked, cached and guarded nothing: its child "
+                                         r"process died \(exit 1: ModuleNotFoundError: No module named 'no_such_module'\)"):
+        main(['check', '--arch', 'resnet18', '--size', '32'])

@@ -119,13 +119,11 @@ def check_worker(stdin=None, stdout=None):
 _CHILD = [sys.executable, '-c', 'from clfast.check import check_worker; check_worker()']
 
 class CheckNotStarted(RuntimeError):
-    "The check's child process ended or hung before its first case: it found nothing about any conv"
-
-def _not_started(why:str) -> CheckNotStarted:
-    "A child that ends or hangs before its first case found nothing about any conv: an error, never a cached verdict"
-    return CheckNotStarted(f"check_channelslast checked, cached and guarded nothing: its child process {why}, before the "
-                        f"first conv. The child runs `{sys.executable} -c 'from clfast.check import check_worker'`: see "
-                        f"that this imports, with this environment.")
+    "The check's child process ended or hung before its first case: it found nothing about any conv (an error, never a cached verdict)"
+    def __init__(self, why:str):
+        super().__init__(f"check_channelslast checked, cached and guarded nothing: its child process {why}, before the "
+                         f"first conv. The child runs `{sys.executable} -c 'from clfast.check import check_worker'`: see "
+                         f"that this imports, with this environment.")
 
 def _run_child(cases:list, timeout:float, startup:float) -> dict:
     "Run `cases` [(key, conv, hw, precision)] in child processes; {key: result}, crashes and hangs included"
@@ -143,7 +141,7 @@ def _run_child(cases:list, timeout:float, startup:float) -> dict:
                     if current is not None:
                         results[current] = dict(status='timeout', error=float('nan'), worst=f"no result in {timeout:.0f} s",
                                                 timeout=timeout)
-                    elif not done: raise _not_started(f"did not start within {startup + timeout:.0f} s")
+                    elif not done: raise CheckNotStarted(f"did not start within {startup + timeout:.0f} s")
                     break   # (hung between two cases: no conv's finding; the next child goes on)
                 chunk = os.read(proc.stdout.fileno(), 1 << 16)
                 if not chunk:   # the child ended
@@ -151,7 +149,7 @@ def _run_child(cases:list, timeout:float, startup:float) -> dict:
                     err.seek(0); tail = err.read().decode(errors='replace').strip().splitlines()
                     why = f"died ({'signal ' + str(-rc) if rc < 0 else 'exit ' + str(rc)}" + (f": {tail[-1][:160]})" if tail else ')')
                     if current is not None: results[current] = dict(status='crashed', error=float('nan'), worst=f"child process {why}")
-                    elif not done: raise _not_started(why)
+                    elif not done: raise CheckNotStarted(why)
                     break
                 buf += chunk
                 *lines, buf = buf.split(b'\n')

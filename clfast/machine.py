@@ -169,6 +169,5 @@ def keep_heap_steady() -> bool:
     import ctypes
     try: mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError): return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, int_max = -1, -3, 2**31 - 1   # mallopt takes a C int
-    return all(mallopt(opt, min(int(STEADY_HEAP[env]), int_max)) == 1 for opt, env in
-               [(M_MMAP_THRESHOLD, 'MALLOC_MMAP_THRESHOLD_'), (M_TRIM_THRESHOLD, 'MALLOC_TRIM_THRESHOLD_')])
+    option = {'MALLOC_MMAP_THRESHOLD_': -3, 'MALLOC_TRIM_THRESHOLD_': -1}   # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    return all(mallopt(option[env], min(int(size), 2**31 - 1)) == 1 for env, size in STEADY_HEAP.items())   # (a C int)

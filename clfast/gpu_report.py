@@ -344,7 +344,7 @@ def _compile_shard(archs, shard:int, shards:int, plan:dict|None=None):
 def warm_compile(plan:dict[str, list[Launch]], archs, processes:int):
     """Compile the default plan's specializations (`plan` is `launch_plan()`, which the other processes rebuild)
     for `archs` in `processes` processes, this one among them, so that `compile_report` finds them compiled:
-    ~950 compiles that take about 11 minutes in one process on a 2-core AVX2 EPYC with Triton's on-disk cache empty.
+    ~1100 compiles that take about 11 minutes in one process on a 2-core AVX2 EPYC with Triton's on-disk cache empty.
     The others fill that cache; what this one compiled stays in `compile_spec`'s memory."""
     if processes < 2: return
     ctx = multiprocessing.get_context('spawn')   # a fresh interpreter: a fork would copy this one's compiler threads
@@ -550,8 +550,5 @@ def main(argv=None):
     return 1 if rep.errors else 0
 
 # %% ../nbs/27_gpu_report.ipynb #73e358e7
-#| eval: false
-#| eval: false
-#| eval: false
 #| eval: false
 if __name__ == '__main__': sys.exit(main())

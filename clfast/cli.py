@@ -69,7 +69,8 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument('--epochs', type=positive_int, default=3, help="epochs of each run (the first warms up)")
     p.add_argument('--device', default=None, help="cpu, cuda, cuda:1, mps (default: fastai's default device)")
     p.add_argument('--amp', default='auto', choices=['auto', 'fp16', 'bf16', 'none'],
-                   help="mixed precision of the channels-last run (auto: fp16 on GPUs, bf16 on CPUs)")
+                   help="mixed precision of the channels-last run (auto: fp16 on GPUs; on a CPU fp16 or "
+                   "bf16 where measured fast, else none)")
     p.add_argument('--fuse', default=None, choices=['speed', 'memory'],
                    help="also fuse conv-BN-ReLU blocks in the channels-last run (default: no fusion)")
     p.add_argument('--bs', type=positive_int, default=64, help="batch size")

@@ -89,11 +89,13 @@ class EpochLine(Callback):
                          for n, v in zip(r.metric_names[1:], r.log[1:]))
         print(f"{self.prefix}epoch {self.epoch + 1}/{self.n_epoch}: {vals}", flush=True)
 
-# %% ../nbs/03_demo.ipynb #4b219ae1
+# %% ../nbs/03_demo.ipynb #1d871f6b
 def auto_amp(device) -> str:
-    "The amp mode that pays on `device`: fp16 on CUDA/MPS; on a CPU fp16 where measured fastest, else bf16 (fp32 where neither is fast)"
+    """The amp mode that pays on `device`: fp16 on CUDA/MPS; on a CPU fp16 or bf16, whichever measured fast, or 'none'
+    (fp32) where neither is: the demo then shows what this CPU trains, not a request it would turn down"""
     device = torch.device(device)
-    if device.type == 'cpu': return 'fp16' if _cpu_choice(torch.float16, cpu_amp_speed()) == torch.float16 else 'bf16'
+    if device.type == 'cpu':
+        return {torch.float16: 'fp16', torch.bfloat16: 'bf16', torch.float32: 'none'}[_cpu_choice(torch.float16, cpu_amp_speed())]
     return 'fp16' if device.type in ('cuda', 'mps') else 'bf16'
 
 # %% ../nbs/03_demo.ipynb #ab549bca

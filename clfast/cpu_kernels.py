@@ -177,8 +177,8 @@ def built_levels() -> dict[str, str]:
 
 def main(options) -> int:
     "`clfast build`: build the kernels of this CPU's level (or of `--levels`) into the cache, saying what and for which torch"
-    from torch.utils.cpp_extension import get_default_build_root
-    print(f"clfast: building the C++ CPU kernels for torch {torch.__version__} into {get_default_build_root()} ...", flush=True)
+    # the folder torch's extension builder uses (TORCH_EXTENSIONS_DIR, else its per-Python/CUDA cache), each level's library a folder in it
+    print(f"clfast: building the C++ CPU kernels for torch {torch.__version__} into {_cached_library().parent.parent} ...", flush=True)
     took = build(options.levels)
     for level, t in took.items(): print(f"  {level:<8} {t:5.0f} s", flush=True)
     return 0

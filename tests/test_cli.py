@@ -66,6 +66,16 @@ def test_check_says_which_kernel_levels_are_built(tmp_path):
     want = ', '.join(f"{l} ({w or 'not built'})" for l, w in built_levels().items())
     assert f"clfast's C++ CPU kernels for torch {torch.__version__}: {want}" in r.stdout, r.stdout[-2000:]
 
+def test_build_says_where_the_kernels_are():
+    "`clfast build` names the folder its library lands in (torch's extension builder adds a folder per Python and CUDA)"
+    r = subprocess.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))', 'build'],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from pathlib import Path
+    from clfast.cpu_kernels import ext_name
+    where = Path(r.stdout.split(' into ', 1)[1].split(' ...', 1)[0])
+    assert (where/ext_name()/f"{ext_name()}.so").exists(), r.stdout
+
 def test_check_whose_child_cannot_start_says_so(tmp_path, monkeypatch, capsys):
     "`clfast check --arch` whose checking process cannot import clfast: the reason and what to do, no traceback, exit 1"
     from clfast import check

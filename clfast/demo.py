@@ -18,7 +18,7 @@ from fastai.callback.core import Callback
 from fastai.callback.schedule import fit_one_cycle
 from fastai.callback.progress import *
 from .core import ClfastWarning
-from .amp import cpu_amp_speed, _cpu_choice
+from .amp import cpu_amp_speed, _cpu_choice, _DTYPE_NAMES
 from .machine import keep_heap_steady
 import clfast.callback
 
@@ -95,7 +95,8 @@ def auto_amp(device) -> str:
     (fp32) where neither is: the demo then shows what this CPU trains, not a request it would turn down"""
     device = torch.device(device)
     if device.type == 'cpu':
-        return {torch.float16: 'fp16', torch.bfloat16: 'bf16', torch.float32: 'none'}[_cpu_choice(torch.float16, cpu_amp_speed())]
+        chosen = _cpu_choice(torch.float16, cpu_amp_speed())
+        return 'none' if chosen == torch.float32 else _DTYPE_NAMES[chosen]
     return 'fp16' if device.type in ('cuda', 'mps') else 'bf16'
 
 # %% ../nbs/03_demo.ipynb #ab549bca

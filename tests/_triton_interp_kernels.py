@@ -60,7 +60,10 @@ def test_stats_many_programs():
 def test_reductions_leave_their_counters_zero():
     "Each reduction leaves the per-device counters as it found them, so the next launch needs no clearing: the same "
     "inputs give bit-equal results launch after launch, in statistics and in backward's sums"
-    y, g = torch.randn(64 * 300 + 5, 70), torch.randn(64 * 300 + 5, 70)
+    m = 4 * 128 + 5   # several programs of two column blocks each, in statistics and in backward's sums
+    y, g = torch.randn(m, 70), torch.randn(m, 70)
+    plan = tk._plan(m, 70)
+    assert plan.n_c == 2 and plan.stats_p > 1 and plan.bwd_p > 1
     first = tk.stats(y)
     assert not tk._LOCKS[y.device].any()
     mean, var = first

@@ -12,7 +12,9 @@ def _block_after(marker:str, lang:str) -> str:
 
 def test_torchrun_example_trains_to_the_demos_accuracy(tmp_path):
     "`train.py` as the README gives it, under `torchrun --nproc_per_node 2` (gloo on the CPU): both processes >= 90%"
-    (tmp_path/'train.py').write_text(_block_after("Save this as `train.py`", 'python'))
+    script = _block_after("Save this as `train.py`", 'python')
+    assert 'learn.distrib_ctx()' in script and "fuse='speed'" in script   # sync_bn=True: synchronized fused layers
+    (tmp_path/'train.py').write_text(script)
     cmd = _block_after("and start one process per GPU", 'bash').splitlines()[0].split('#')[0].split()
     assert cmd == ['torchrun', '--nproc_per_node', '2', 'train.py']
     torchrun = Path(sys.executable).parent/'torchrun'   # this environment's, as an activated venv would find it

@@ -85,6 +85,8 @@ def cpu_amp_speed(refresh:bool=False) -> dict:
 def _cpu_why(dtype, speed) -> str:
     r = speed.get(dtype, math.inf)
     name = _DTYPE_NAMES[dtype]
+    if dtype == torch.float16 and math.isinf(r) and math.isinf(speed.get(torch.bfloat16, math.inf)):   # the fallback's too
+        return "this CPU has no native fp16 or bf16 (oneDNN would emulate them, several times slower than fp32)"
     if math.isinf(r): return f"this CPU has no native {name} (oneDNN would emulate it, several times slower than fp32)"
     if math.isnan(r): return (f"{name} is native on this CPU but clfast's probe could not tell its conv training step "
                               f"from fp32's within this machine's noise ({MAX_PAIRS} pairs)")
@@ -112,7 +114,8 @@ def resolve_amp(device:torch.device|str, amp_mode:str|AMPMode) -> tuple:
         how = (f"bf16 ({speed[chosen]:.3g}x fp32's step time, no loss scaling needed)" if chosen == torch.bfloat16
                else "fp32")
         hint = " Pass amp_mode='bf16' to ask for it directly." if chosen == torch.bfloat16 else " use_amp=False (or learn.to_fp32()) trains in fp32 without this warning."
-        return chosen, False, f"amp_mode={mode.value!r}: {_cpu_why(dtype, speed)}, so training in {how} instead.{hint}"
+        # "fp16 mixed precision", not "amp_mode='fp16'": fp16 is also the default that no one asked for
+        return chosen, False, f"{mode.value} mixed precision: {_cpu_why(dtype, speed)}, so training in {how} instead.{hint}"
     if device.type == 'mps':
         if dtype == torch.bfloat16 and not getattr(torch.backends.mps, 'is_macos_or_newer', lambda *v: True)(14, 0):
             return torch.float32, False, "bf16 on MPS needs macOS 14 or newer: training in fp32. Use amp_mode='fp16'."

@@ -4,7 +4,7 @@
 
 # %% ../nbs/22_cpu_kernels.ipynb #2b201df7
 from __future__ import annotations
-import hashlib, os, re, shutil, subprocess, sys, threading, time
+import contextlib, hashlib, os, re, shutil, subprocess, sys, threading, time
 from pathlib import Path
 import torch
 import clfast
@@ -12,8 +12,8 @@ from .machine import CPU_LEVELS, LEVEL_FLAGS, ISA_CAP_ENV, clfast_isa, host_isa,
 
 # %% auto #0
 __all__ = ['CSRC', 'SOURCES', 'BACKWARD_WAYS', 'PACKAGE', 'GEMM_BACKWARD', 'missing_compiler', 'missing_toolchain', 'build_flags',
-           'ext_name', 'library_path', 'is_built', 'levels_here', 'installed_name', 'installed_library', 'build',
-           'built_levels', 'main', 'load', 'set_gemm_backward', 'gemm_backward_choices']
+           'ext_name', 'own_ninja', 'library_path', 'is_built', 'levels_here', 'installed_name', 'installed_library',
+           'build', 'built_levels', 'main', 'load', 'set_gemm_backward', 'gemm_backward_choices']
 
 # %% ../nbs/22_cpu_kernels.ipynb #a8ca19e4
 CSRC = Path(clfast.__file__).parent/'csrc'
@@ -62,10 +62,24 @@ def ext_name(level:str|None=None) -> str:
 # %% ../nbs/22_cpu_kernels.ipynb #c0123baa
 _lock, _lib = threading.Lock(), None
 
+@contextlib.contextmanager
+def own_ninja():
+    """Inside the block, PATH finds this environment's ninja first (pip's, which clfast requires, beside the
+    interpreter), where there is one. torch builds with the first ninja on PATH, and two versions (1.13's build log
+    reads as too old to 1.11, 1.13's own is the newer format) each discard the other's log and compile everything
+    again: a venv used both activated (its ninja first) and not (the system's) rebuilt the kernels at each switch"""
+    here, before = Path(sys.executable).parent, os.environ.get('PATH', '')
+    if not any((here/n).exists() for n in ('ninja', 'ninja.exe')) or before.split(os.pathsep)[0] == str(here):
+        yield; return
+    os.environ['PATH'] = str(here) + os.pathsep + before
+    try: yield
+    finally: os.environ['PATH'] = before
+
 def _build(level:str, verbose:bool):
     from torch.utils.cpp_extension import load
-    return load(name=ext_name(level), sources=[str(s) for s in SOURCES], extra_cflags=build_flags(level),
-                extra_ldflags=['-fopenmp'], is_python_module=False, verbose=verbose)
+    with own_ninja():
+        return load(name=ext_name(level), sources=[str(s) for s in SOURCES], extra_cflags=build_flags(level),
+                    extra_ldflags=['-fopenmp'], is_python_module=False, verbose=verbose)
 
 def library_path() -> Path|None:
     "Path of the loaded kernel library (None before `load`)"

@@ -405,6 +405,17 @@ def test_installed_library_only_when_current(tmp_path, monkeypatch):
     assert cpu_kernels.installed_library('generic')[0].name.startswith(current + '.')
     assert cpu_kernels.installed_library('avx2')[0] is None   # another level's never stands in
 
+def test_kernels_build_with_the_environments_ninja(monkeypatch):
+    """The C++ kernels build with the ninja installed beside this interpreter (clfast requires it) whether or not PATH
+    finds it first: a system ninja of another version discards the other's build log and compiles everything again"""
+    from clfast.cpu_kernels import own_ninja
+    here = Path(sys.executable).parent
+    assert (here/'ninja').exists(), "clfast's requirements install ninja into the environment"
+    monkeypatch.setenv('PATH', os.pathsep.join(p for p in os.environ['PATH'].split(os.pathsep) if p != str(here)))
+    before = os.environ['PATH']
+    with own_ninja(): assert Path(shutil.which('ninja')).parent == here
+    assert os.environ['PATH'] == before
+
 def test_setup_builds_no_kernels_unless_asked(tmp_path):
     """setup.py needs neither torch nor a compiler (the kernels build on first use); a wheel asked to build them in
     (CLFAST_BUILD_KERNELS) where it cannot stops with why, never a wheel silently without them"""

@@ -87,6 +87,11 @@ def reference(name):
     ref = step(copy.deepcopy(base).double(), x.double())
     return base, x, ref, {amp: errors(step(copy.deepcopy(base), x, amp), ref) for amp in DTYPES}
 
+@pytest.fixture(scope='module', autouse=True)
+def _forget_reference():
+    yield
+    reference.cache_clear()   # the last model's fp64 step and gradients: not held past this module
+
 def check(name, mode):
     """One training step of the model fused in `mode` and prepared as `to_channelslast()` prepares it: in fp64 equal to
     the stock fp64 step (the fused and guarded arithmetic) in each way a layer can run; in fp32 and in native bf16

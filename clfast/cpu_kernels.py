@@ -29,7 +29,8 @@ def missing_toolchain() -> str|None:
     "Why the C++ kernels cannot be built here at run time (no compiler, no ninja), or None when they can"
     from torch.utils.cpp_extension import is_ninja_available
     if why := missing_compiler(): return why
-    if not is_ninja_available(): return "ninja is not installed (pip install ninja)"
+    with own_ninja(): found = is_ninja_available()   # the ninja the build runs: this environment's, else PATH's
+    if not found: return "ninja is not installed (pip install ninja)"
     return None
 
 # %% ../nbs/22_cpu_kernels.ipynb #cadaadc9

@@ -405,7 +405,7 @@ def test_installed_library_only_when_current(tmp_path, monkeypatch):
     assert cpu_kernels.installed_library('generic')[0].name.startswith(current + '.')
     assert cpu_kernels.installed_library('avx2')[0] is None   # another level's never stands in
 
-def test_kernels_build_with_the_environments_ninja(monkeypatch):
+def test_kernels_build_with_the_environments_ninja(monkeypatch, tmp_path):
     """The C++ kernels build with the ninja installed beside this interpreter (clfast requires it) whether or not PATH
     finds it first: a system ninja of another version discards the other's build log and compiles everything again"""
     from clfast.cpu_kernels import own_ninja
@@ -415,6 +415,9 @@ def test_kernels_build_with_the_environments_ninja(monkeypatch):
     before = os.environ['PATH']
     with own_ninja(): assert Path(shutil.which('ninja')).parent == here
     assert os.environ['PATH'] == before
+    (tmp_path/'c++').symlink_to(shutil.which(os.environ.get('CXX', 'c++')))
+    monkeypatch.setenv('PATH', str(tmp_path))   # a compiler, and no ninja on PATH: the environment's builds
+    assert shutil.which('ninja') is None and cpu_kernels.missing_toolchain() is None
 
 def test_setup_builds_no_kernels_unless_asked(tmp_path):
     """setup.py needs neither torch nor a compiler (the kernels build on first use); a wheel asked to build them in

@@ -82,21 +82,25 @@ def cpu_amp_speed(refresh:bool=False) -> dict:
     return res
 
 # %% ../nbs/01_amp.ipynb #dd580a9e
+def _candidates(dtype) -> tuple:
+    "The half dtypes asking for `dtype` may train in, in order, before fp32: fp16 falls back to bf16"
+    return (dtype, torch.bfloat16) if dtype == torch.float16 else (dtype,)
+
 def _cpu_why(dtype, speed) -> str:
     r = speed.get(dtype, math.inf)
     name = _DTYPE_NAMES[dtype]
-    if dtype == torch.float16 and math.isinf(r) and math.isinf(speed.get(torch.bfloat16, math.inf)):   # the fallback's too
-        return "this CPU has no native fp16 or bf16 (oneDNN would emulate them, several times slower than fp32)"
+    cands = _candidates(dtype)
+    if all(math.isinf(speed.get(d, math.inf)) for d in cands):   # it, and what it would fall back to, emulated
+        return (f"this CPU has no native {' or '.join(_DTYPE_NAMES[d] for d in cands)} (oneDNN would emulate "
+                f"{'them' if len(cands) > 1 else 'it'}, several times slower than fp32)")
     if math.isinf(r): return f"this CPU has no native {name} (oneDNN would emulate it, several times slower than fp32)"
     if math.isnan(r): return (f"{name} is native on this CPU but clfast's probe could not tell its conv training step "
                               f"from fp32's within this machine's noise ({MAX_PAIRS} pairs)")
     return f"{name} is native on this CPU but a conv training step measured {r:.3g}x fp32's time"
 
 def _cpu_choice(dtype, speed) -> torch.dtype:
-    "`dtype` if it is fast here; fp16 falls back to bf16 if that is fast; else fp32"
-    for cand in ((dtype, torch.bfloat16) if dtype == torch.float16 else (dtype,)):
-        if speed.get(cand, math.inf) <= MARGIN: return cand
-    return torch.float32
+    "The first of `_candidates(dtype)` that is fast here, else fp32"
+    return next((d for d in _candidates(dtype) if speed.get(d, math.inf) <= MARGIN), torch.float32)
 
 # %% ../nbs/01_amp.ipynb #7f1b7825
 def resolve_amp(device:torch.device|str, amp_mode:str|AMPMode) -> tuple:

@@ -17,7 +17,7 @@ from fastai.torch_core import to_float
 from fastai.learner import Learner
 from .core import warn_user, _is_count, _take_fastai_name
 from .machine import MachineCache
-from .timing import MARGIN, MAX_PAIRS, Timing, time_pair, decide, forget_timings
+from .timing import MARGIN, MAX_PAIRS, Timing, time_pair, decide_premise, forget_timings
 from .guard import model_device
 
 # %% auto #0
@@ -77,7 +77,7 @@ def cpu_amp_speed(refresh:bool=False) -> dict:
         if dtype not in native: res[dtype] = math.inf; continue
         key = f"amp:{_DTYPE_NAMES[dtype]}_step"
         if refresh: forget_timings(key)
-        probe = decide(key, lambda: measure_cpu_amp(dtype))
+        probe = decide_premise(key, lambda: measure_cpu_amp(dtype))
         res[dtype] = probe.ratio if probe.faster is not None else math.nan
     return res
 

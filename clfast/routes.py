@@ -9,7 +9,7 @@ from typing import Callable
 import torch, torch.nn.functional as F
 from torch import nn, Tensor
 from torch._prims_common import suggest_memory_format
-from .timing import Timing, time_pair, decide, forget_timings
+from .timing import Timing, time_pair, decide_premise, forget_timings
 from .stock import AsStock
 from .ops import kernels_ready, autocast_cast, autocast_dtype, no_autocast
 from .bad_kernels import GuardPlan, guard_acts, route
@@ -24,8 +24,8 @@ __all__ = ['SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'SLOW_BF16_BACKWARD', 
 
 # %% ../nbs/04c_routes.ipynb #1b8c85af
 def premise(name:str, probe:Callable[[], Timing|bool]) -> bool:
-    "Whether the premise `name` holds on this machine, measured once per machine (`clfast.timing.decide`): where `probe()` times a route against the stock kernel, the route is faster by the margin; where it checks numerics, its bool"
-    held = decide(f"premise:{name}", probe)
+    "Whether the premise `name` holds on this machine, measured once per machine (`clfast.timing.decide_premise`): where `probe()` times a route against the stock kernel, the route is faster by the margin; where it checks numerics, its bool"
+    held = decide_premise(f"premise:{name}", probe)
     return held if isinstance(held, bool) else held.chosen
 
 def forget_premises():

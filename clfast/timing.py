@@ -13,7 +13,8 @@ except ImportError: fcntl = None
 
 # %% auto #0
 __all__ = ['MARGIN', 'ALPHA', 'MIN_PAIRS', 'MAX_PAIRS', 'TIMINGS', 'LOCK_TIMEOUT', 'sign_test', 'verdict', 'Timing', 'time_pair',
-           'paired_ratio', 'DeviceClock', 'measuring', 'decide', 'timings', 'forget_timings', 'report']
+           'paired_ratio', 'DeviceClock', 'measuring', 'decide', 'fresh_state', 'decide_premise', 'timings',
+           'forget_timings', 'report']
 
 # %% ../nbs/04a_timing.ipynb #cf53f735
 MARGIN = 0.95               # the candidate is chosen only where it takes at most this fraction of the default's time
@@ -198,6 +199,22 @@ def decide(key:str, measure:Callable[[], Timing|bool]) -> Timing|bool:
                 warn_user(f"clfast: {e}; {key} keeps its default way in this process.")
     _here[key] = got
     return got
+
+@contextlib.contextmanager
+def fresh_state():
+    """The autograd and autocast state a fresh process starts in, whatever the caller's: gradients on, no inference
+    mode, no CPU autocast"""
+    import torch   # here: the CPU's timings need no torch at import
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast('cpu', enabled=False): yield
+
+def decide_premise(key:str, probe:Callable[[], Timing|bool]) -> Timing|bool:
+    """`decide(key, probe)` for a fact about this machine's kernels, not about one call: `probe` runs in `fresh_state`.
+    It is measured once, at the first question, wherever that comes from (a validation step under no_grad or
+    inference_mode, a bf16 autocast step), and must measure the same thing from each: a probe timing a backward failed
+    under no_grad, and one timing fp32 convs would have timed bf16's under autocast"""
+    def measure():
+        with fresh_state(): return probe()
+    return decide(key, measure)
 
 def timings(prefix:str='') -> dict[str, Timing|bool]:
     "This machine's decisions (whose keys start with `prefix`): the cache's and this process's"

@@ -434,6 +434,33 @@ def test_pointwise_premise_is_measured_and_cached(tmp_path, monkeypatch):
     for other in (nn.Conv2d(8, 4, 1, stride=2), nn.Conv2d(8, 8, 1, groups=2), nn.Conv2d(8, 4, 3), nn.Conv2d(8, 4, 1, padding=1)):
         assert not routes.may_meet_slow_pointwise(other)
 
+@pytest.mark.parametrize('caller', ['no_grad', 'inference_mode'])
+def test_premises_measured_from_inference(tmp_path, monkeypatch, caller):
+    """Each premise's probe, measured afresh (a fresh machine) from a caller that computes no gradients: a fastai
+    validation or `get_preds` asks first where a guarded conv meets its first short input or 1x1 map, and the probes
+    that time a backward failed there ('element 0 of tensors does not require grad')"""
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path)); monkeypatch.setattr(timing, '_here', {})
+    with getattr(torch, caller)():
+        held = {k.name: k.present() for k in guard.MEASURED_KERNELS}
+    assert all(isinstance(h, bool) for h in held.values()) and set(timing.timings('premise:')) == {f'premise:{n}' for n in held}
+
+def test_a_learner_validated_before_it_trains(tmp_path, monkeypatch):
+    """`to_channelslast()` then `validate()` on a fresh machine, a squeeze-excite model: the guarded 1x1 convs meet their
+    premise first under fastai's no_grad; the loss is fp64's at fp32's precision"""
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path)); monkeypatch.setattr(timing, '_here', {})
+    torch.manual_seed(0)
+    net = nn.Sequential(ConvLayer(3, 8), nn.AdaptiveAvgPool2d(1), nn.Conv2d(8, 4, 1), nn.ReLU(), nn.Conv2d(4, 8, 1),
+                        Flatten(), nn.Linear(8, 2))
+    ref = copy.deepcopy(net).double().eval()
+    dls = image_dls()
+    learn = Learner(dls, net, loss_func=CrossEntropyLossFlat()).to_channelslast(use_amp=False)
+    loss = learn.validate()[0]
+    plain = lambda t: t.as_subclass(torch.Tensor)
+    with torch.no_grad():
+        want = sum(F.cross_entropy(ref(plain(x).double()), plain(y), reduction='sum') for x, y in dls.valid) / len(dls.valid_ds)
+    assert loss == pytest.approx(want.item(), rel=1e-5)
+    assert set(timing.timings('premise:')) >= {f'premise:{routes.SLOW_POINTWISE_MAPS.name}'}   # measured, by the guard or the call
+
 class _AtenOps(TorchDispatchMode):
     "Records the aten ops that run"
     def __init__(self): super().__init__(); self.seen = set()

@@ -202,16 +202,19 @@ def decide(key:str, measure:Callable[[], Timing|bool]) -> Timing|bool:
 
 @contextlib.contextmanager
 def fresh_state():
-    """The autograd and autocast state a fresh process starts in, whatever the caller's: gradients on, no inference
-    mode, no CPU autocast"""
+    """The state a fresh process computes in, whatever the caller's: gradients on, no inference mode, no CPU autocast,
+    and none of the caller's dispatch or function modes (a tracer's fake tensors, a flop counter)"""
     import torch   # here: the CPU's timings need no torch at import
-    with torch.inference_mode(False), torch.enable_grad(), torch.autocast('cpu', enabled=False): yield
+    from torch.utils._python_dispatch import _disable_current_modes
+    with (_disable_current_modes(), torch._C.DisableTorchFunction(), torch.inference_mode(False), torch.enable_grad(),
+          torch.autocast('cpu', enabled=False)): yield
 
 def decide_premise(key:str, probe:Callable[[], Timing|bool]) -> Timing|bool:
     """`decide(key, probe)` for a fact about this machine's kernels, not about one call: `probe` runs in `fresh_state`.
     It is measured once, at the first question, wherever that comes from (a validation step under no_grad or
-    inference_mode, a bf16 autocast step), and must measure the same thing from each: a probe timing a backward failed
-    under no_grad, and one timing fp32 convs would have timed bf16's under autocast"""
+    inference_mode, a bf16 autocast step, `torch.export`'s trace, a `FlopCounterMode`), and must measure the same thing
+    from each: a probe timing a backward failed under no_grad and under export's fake tensors, one timing fp32 convs
+    would have timed bf16's under autocast, and a flop counter counted the probe's flops as the model's"""
     def measure():
         with fresh_state(): return probe()
     return decide(key, measure)

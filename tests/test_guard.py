@@ -5,6 +5,7 @@ import pytest, torch, torch.nn.functional as F
 from torch import nn
 from hypothesis import given, settings, example, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam
 import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import bad_kernels, guard, routes, check, timing
@@ -460,6 +461,29 @@ def test_a_learner_validated_before_it_trains(tmp_path, monkeypatch):
         want = sum(F.cross_entropy(ref(plain(x).double()), plain(y), reduction='sum') for x, y in dls.valid) / len(dls.valid_ds)
     assert loss == pytest.approx(want.item(), rel=1e-5)
     assert set(timing.timings('premise:')) >= {f'premise:{routes.SLOW_POINTWISE_MAPS.name}'}   # measured, by the guard or the call
+
+def test_flop_count_and_export_on_a_fresh_machine(tmp_path, monkeypatch):
+    """A guarded model's first short input and first 1x1 map ask their premises inside the caller's modes: a flop
+    counter counts the model's flops only (it counted the probes' 512-channel convs as the model's, and the timings
+    its hooks slowed were cached), and `torch.export` traces it (the probes failed on export's fake tensors); the
+    exported program computes fp64's output at fp32's precision"""
+    def fresh(name):
+        monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path/name)); monkeypatch.setattr(timing, '_here', {})
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Conv2d(8, 4, 1), nn.ReLU(), nn.Conv2d(4, 8, 3, padding=1), Flatten()).to(memory_format=CL)
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=CL)
+    with FlopCounterMode(display=False) as stock: ref(x).sum().backward()
+    fresh('flops'); guard_model(net)
+    assert type(net[4]) is type(net[6]) is GuardedConv2d   # the 1x1 conv, the 3x3 on 1x1 maps: their premises per call
+    fresh('flops again')
+    with FlopCounterMode(display=False) as counted: net(x).sum().backward()
+    assert counted.get_total_flops() == stock.get_total_flops()
+    assert set(timing.timings('premise:')) == {f'premise:{k.name}' for k in (SHORT_INPUT_WGRAD, routes.SLOW_POINTWISE_MAPS)}
+    fresh('export')
+    program = torch.export.export(net.eval(), (x,), strict=False)
+    torch.testing.assert_close(program.module()(x).double(), ref.eval().double()(x.double()), rtol=1e-5, atol=1e-6)
 
 class _AtenOps(TorchDispatchMode):
     "Records the aten ops that run"

@@ -2,6 +2,9 @@
 what each call is said to take), and the measuring lock and the shared cache between real processes"""
 import json, os, subprocess, sys, textwrap, time
 import pytest, torch
+from torch.overrides import TorchFunctionMode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
 from clfast import timing
 from clfast.timing import time_pair, decide, Timing, MARGIN, MIN_PAIRS, MAX_PAIRS
 
@@ -148,20 +151,28 @@ def test_device_clock_reads_the_gpus_time_not_the_hosts():
     wall = time.perf_counter() - t
     assert 0.5 * wall < read(gpu_bound) < 1.1 * wall
 
-_CALLER_STATES = {'no_grad': torch.no_grad, 'inference_mode': torch.inference_mode,
-                  'bf16_autocast': lambda: torch.autocast('cpu', dtype=torch.bfloat16)}
+class _PassThrough(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None): return func(*args, **(kwargs or {}))
 
-def _state(): return torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled('cpu')
+_CALLER_STATES = {'no_grad': torch.no_grad, 'inference_mode': torch.inference_mode,
+                  'bf16_autocast': lambda: torch.autocast('cpu', dtype=torch.bfloat16),
+                  'fake_tensors': FakeTensorMode, 'flop_counter': lambda: FlopCounterMode(display=False),
+                  'function_mode': _PassThrough}
+
+def _state():
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled('cpu'),
+            torch._C._len_torch_dispatch_stack(), torch._C._is_torch_function_mode_enabled())
 
 @pytest.mark.parametrize('caller', list(_CALLER_STATES))
 def test_a_premise_is_measured_as_a_fresh_process_would(tmp_path, monkeypatch, caller):
     """A fact about the machine is measured once, at its first question, wherever that comes from (fastai's validation
-    runs under no_grad, `get_preds` may run under inference_mode, training under autocast): its probe runs with
-    gradients on, no inference mode and no autocast, and the caller's state is as it was after"""
+    runs under no_grad, `get_preds` may run under inference_mode, training under autocast, `torch.export` under fake
+    tensors, a flop counter as a dispatch mode): its probe runs with gradients on, no inference mode, no autocast and
+    none of the caller's modes, and the caller's state is as it was after"""
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path)); monkeypatch.setattr(timing, '_here', {})
     seen = []
     with _CALLER_STATES[caller]():
         outside = _state()
         assert timing.decide_premise('premise:test_state', lambda: seen.append(_state()) or True) is True
         assert _state() == outside
-    assert seen == [(True, False, False)]
+    assert seen == [(True, False, False, 0, False)]

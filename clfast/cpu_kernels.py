@@ -4,7 +4,7 @@
 
 # %% ../nbs/22_cpu_kernels.ipynb #2b201df7
 from __future__ import annotations
-import contextlib, hashlib, os, re, shutil, subprocess, sys, threading, time
+import contextlib, hashlib, importlib, logging, os, re, shutil, subprocess, sys, threading, time
 from pathlib import Path
 import torch
 import clfast
@@ -25,9 +25,22 @@ def missing_compiler() -> str|None:
     cxx = os.environ.get('CXX', 'c++')
     return f"no C++ compiler ({cxx!r} not on PATH; install g++ or set CXX)" if shutil.which(cxx) is None else None
 
+def _cpp_extension():
+    """torch's extension builder (`torch.utils.cpp_extension`), imported without the warning its import logs on a
+    machine with a CUDA toolkit and no GPU ('No CUDA runtime is found, using CUDA_HOME=...'): the CPU kernels need
+    neither, and the warning read as an error in the demo's output. Its warnings while building are kept"""
+    name = 'torch.utils.cpp_extension'
+    if name not in sys.modules:
+        log = logging.getLogger(name)
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try: importlib.import_module(name)
+        finally: log.setLevel(level)
+    return sys.modules[name]
+
 def missing_toolchain() -> str|None:
     "Why the C++ kernels cannot be built here at run time (no compiler, no ninja), or None when they can"
-    from torch.utils.cpp_extension import is_ninja_available
+    is_ninja_available = _cpp_extension().is_ninja_available
     if why := missing_compiler(): return why
     with own_ninja(): found = is_ninja_available()   # the ninja the build runs: this environment's, else PATH's
     if not found: return "ninja is not installed (pip install ninja)"
@@ -77,10 +90,10 @@ def own_ninja():
     finally: os.environ['PATH'] = before
 
 def _build(level:str, verbose:bool):
-    from torch.utils.cpp_extension import load
     with own_ninja():
-        return load(name=ext_name(level), sources=[str(s) for s in SOURCES], extra_cflags=build_flags(level),
-                    extra_ldflags=['-fopenmp'], is_python_module=False, verbose=verbose)
+        return _cpp_extension().load(name=ext_name(level), sources=[str(s) for s in SOURCES],
+                                     extra_cflags=build_flags(level), extra_ldflags=['-fopenmp'], is_python_module=False,
+                                     verbose=verbose)
 
 def library_path() -> Path|None:
     "Path of the loaded kernel library (None before `load`)"
@@ -88,9 +101,8 @@ def library_path() -> Path|None:
 
 def _cached_library(level:str|None=None) -> Path:
     "Where the cache keeps the library of `level` (default: `clfast_isa()`) for these sources and torch"
-    from torch.utils.cpp_extension import _get_build_directory
     name = ext_name(level)
-    return Path(_get_build_directory(name, False))/f"{name}.so"
+    return Path(_cpp_extension()._get_build_directory(name, False))/f"{name}.so"
 
 def is_built(level:str|None=None) -> bool:
     "Whether this machine's cache already holds the library of `level` (default: `clfast_isa()`) for these sources and torch"

@@ -419,6 +419,17 @@ def test_kernels_build_with_the_environments_ninja(monkeypatch, tmp_path):
     monkeypatch.setenv('PATH', str(tmp_path))   # a compiler, and no ninja on PATH: the environment's builds
     assert shutil.which('ninja') is None and cpu_kernels.missing_toolchain() is None
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for a CUDA toolkit without a GPU")
+def test_kernels_load_without_torchs_cuda_home_warning(tmp_path):
+    """Loading the CPU kernels on a machine with a CUDA toolkit and no GPU says nothing about CUDA: importing torch's
+    extension builder there logs 'No CUDA runtime is found, using CUDA_HOME=...', which the CPU kernels do not use"""
+    run = lambda code: subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                                      env=_env(CUDA_HOME=str(tmp_path)))   # a toolkit's folder: torch looks no further
+    stock = run('import torch.utils.cpp_extension')
+    assert 'No CUDA runtime is found' in stock.stderr, stock.stderr   # what the machine would show
+    ours = run('from clfast import ops; print(ops.kernels_ready())')
+    assert ours.returncode == 0 and 'No CUDA runtime' not in ours.stderr, ours.stderr
+
 def test_setup_builds_no_kernels_unless_asked(tmp_path):
     """setup.py needs neither torch nor a compiler (the kernels build on first use); a wheel asked to build them in
     (CLFAST_BUILD_KERNELS) where it cannot stops with why, never a wheel silently without them"""

@@ -203,18 +203,24 @@ def decide(key:str, measure:Callable[[], Timing|bool]) -> Timing|bool:
 @contextlib.contextmanager
 def fresh_state():
     """The state a fresh process computes in, whatever the caller's: gradients on, no inference mode, no CPU autocast,
-    and none of the caller's dispatch or function modes (a tracer's fake tensors, a flop counter)"""
+    none of the caller's dispatch or function modes (a tracer's fake tensors, a flop counter), and none of its hooks
+    on saved tensors (a gradient checkpoint's)"""
     import torch   # here: the CPU's timings need no torch at import
     from torch.utils._python_dispatch import _disable_current_modes
+    # the innermost pair of saved-tensor hooks is the one applied: identity hooks over the caller's (where hooks can be
+    # set at all; where they are disabled, none applies)
+    plain_saves = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+                   if torch._C._autograd._saved_tensors_hooks_is_enabled() else contextlib.nullcontext())
     with (_disable_current_modes(), torch._C.DisableTorchFunction(), torch.inference_mode(False), torch.enable_grad(),
-          torch.autocast('cpu', enabled=False)): yield
+          torch.autocast('cpu', enabled=False), plain_saves): yield
 
 def decide_premise(key:str, probe:Callable[[], Timing|bool]) -> Timing|bool:
     """`decide(key, probe)` for a fact about this machine's kernels, not about one call: `probe` runs in `fresh_state`.
     It is measured once, at the first question, wherever that comes from (a validation step under no_grad or
-    inference_mode, a bf16 autocast step, `torch.export`'s trace, a `FlopCounterMode`), and must measure the same thing
-    from each: a probe timing a backward failed under no_grad and under export's fake tensors, one timing fp32 convs
-    would have timed bf16's under autocast, and a flop counter counted the probe's flops as the model's"""
+    inference_mode, a bf16 autocast step, `torch.export`'s trace, a `FlopCounterMode`, a checkpointed block), and must
+    measure the same thing from each: a probe timing a backward failed under no_grad and under export's fake tensors,
+    one timing fp32 convs would have timed bf16's under autocast, a flop counter counted the probe's flops as the
+    model's, and a gradient checkpoint kept the probe's saved tensors as its block's (a `CheckpointError` at backward)"""
     def measure():
         with fresh_state(): return probe()
     return decide(key, measure)

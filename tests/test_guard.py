@@ -487,6 +487,28 @@ def test_flop_count_and_export_on_a_fresh_machine(tmp_path, monkeypatch):
     program = torch.export.export(net.eval(), (x,), strict=False)
     torch.testing.assert_close(program.module()(x).double(), ref.eval().double()(x.double()), rtol=1e-5, atol=1e-6)
 
+def test_first_question_inside_a_gradient_checkpoint(tmp_path, monkeypatch):
+    """A squeeze-excite pair's first 1x1 map inside a checkpointed block (timm's `set_grad_checkpointing`): the probe's
+    saved tensors are not the block's (they were, and backward failed with a `CheckpointError`: recomputed values of
+    other shapes); the gradients are fp64's at fp32's precision"""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(16, 4, 1), nn.ReLU(), nn.Conv2d(4, 16, 1)).to(memory_format=CL)
+    ref = copy.deepcopy(net).double()
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path/'guard')); monkeypatch.setattr(timing, '_here', {})
+    timing._here[f'premise:{routes.SLOW_POINTWISE_MAPS.name}'] = True   # guarded as where the premise holds
+    guard_model(net)
+    assert type(net[0]) is type(net[2]) is GuardedConv2d
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path/'fresh')); monkeypatch.setattr(timing, '_here', {})
+    x = torch.randn(6, 16, 1, 1).to(memory_format=CL).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    checkpoint(net, x, use_reentrant=False).sum().backward()
+    ref(x64).sum().backward()
+    assert f'premise:{routes.SLOW_POINTWISE_MAPS.name}' in timing.timings('premise:')   # asked inside the block
+    close = lambda a, b: torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+    close(x.grad, x64.grad)
+    for got, want in zip(net.parameters(), ref.parameters()): close(got.grad, want.grad)
+
 class _AtenOps(TorchDispatchMode):
     "Records the aten ops that run"
     def __init__(self): super().__init__(); self.seen = set()

@@ -13,7 +13,7 @@ from .reference import ConvGeometry
 from .bad_kernels import GuardPlan, route
 from .routes import call_plan, guarded_conv
 from .guard import IMPRECISE_CL_BATCH_NORM
-from .timing import Timing, DeviceClock, time_pair, decide, timings
+from .timing import Timing, DeviceClock, time_pair, decide, timings, plain_saves
 from .stock import AsStock, rebuilt
 from .bn import is_sync_bn, sync_group, bn_args, bn_state, stock_class, _qual, _BN_ACT, _SYNC_BN_ACT
 
@@ -162,9 +162,10 @@ def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
         return f
     geom = conv_geometry(conv)
     fused_run, stock_run = run(lambda *args: _fused_layer(*args, keep_y=True, geom=geom)), run(_stock_layer)
-    if x.is_cuda and _for_graphs: return time_pair(fused_run, stock_run, clock=DeviceClock(x.device))   # a replay's: the GPU's
-    # an eager step's time on a GPU: the host's and the device's
-    return time_pair(fused_run, stock_run, (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else None)
+    with plain_saves():   # the copies' saved tensors are not the step's (a gradient checkpoint's block)
+        if x.is_cuda and _for_graphs: return time_pair(fused_run, stock_run, clock=DeviceClock(x.device))   # a replay's: the GPU's
+        # an eager step's time on a GPU: the host's and the device's
+        return time_pair(fused_run, stock_run, (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else None)
 
 # %% ../nbs/23_fused.ipynb #3bba664d
 class _FusedMixin(AsStock):

@@ -316,12 +316,21 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
 
 _DIRECT = functools.partial(_conv_bn_act, direct=True)
 
+_top_saved_hooks = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)   # (torch 2.5 on)
+
+def _saved_tensor_hooks() -> bool:
+    "Whether hooks on saved tensors are set (a gradient checkpoint's, `save_on_cpu`'s) on an eager call (torch.compile traces the op)"
+    return _top_saved_hooks is not None and not torch.compiler.is_compiling() and _top_saved_hooks(False) is not None
+
 def _layer_op(x:Tensor) -> Callable:
     """The layer op for `x`: where the Triton kernels serve `x` untraced (`_direct`: CUDA), the Python twin calling them
     as functions (no dispatcher's round trips, one launch fewer); else the C++ library's where it loaded (its autograd
-    node is the cheapest for the host over the C++ kernels), else the twin through the kernel ops"""
+    node is the cheapest for the host over the C++ kernels) and no hooks on saved tensors are set, else the twin
+    through the kernel ops. Under a non-reentrant gradient checkpoint the C++ node on an input computed inside the
+    block failed its backward ('A different number of tensors was saved during the original forward and
+    recomputation'), where the twin's Python node trains as without the checkpoint"""
     if _direct(x): return _DIRECT
-    if _loaded.get('cpu', 'not loaded') is None: return torch.ops.clfast.conv_bn_act
+    if _loaded.get('cpu', 'not loaded') is None and not _saved_tensor_hooks(): return torch.ops.clfast.conv_bn_act
     return _conv_bn_act
 
 # %% ../nbs/21_ops.ipynb #7ddcb450

@@ -13,8 +13,8 @@ except ImportError: fcntl = None
 
 # %% auto #0
 __all__ = ['MARGIN', 'ALPHA', 'MIN_PAIRS', 'MAX_PAIRS', 'TIMINGS', 'LOCK_TIMEOUT', 'sign_test', 'verdict', 'Timing', 'time_pair',
-           'paired_ratio', 'DeviceClock', 'measuring', 'decide', 'fresh_state', 'decide_premise', 'timings',
-           'forget_timings', 'report']
+           'paired_ratio', 'DeviceClock', 'measuring', 'decide', 'fresh_state', 'plain_saves', 'decide_premise',
+           'timings', 'forget_timings', 'report']
 
 # %% ../nbs/04a_timing.ipynb #cf53f735
 MARGIN = 0.95               # the candidate is chosen only where it takes at most this fraction of the default's time
@@ -207,12 +207,16 @@ def fresh_state():
     on saved tensors (a gradient checkpoint's)"""
     import torch   # here: the CPU's timings need no torch at import
     from torch.utils._python_dispatch import _disable_current_modes
-    # the innermost pair of saved-tensor hooks is the one applied: identity hooks over the caller's (where hooks can be
-    # set at all; where they are disabled, none applies)
-    plain_saves = (torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-                   if torch._C._autograd._saved_tensors_hooks_is_enabled() else contextlib.nullcontext())
     with (_disable_current_modes(), torch._C.DisableTorchFunction(), torch.inference_mode(False), torch.enable_grad(),
-          torch.autocast('cpu', enabled=False), plain_saves): yield
+          torch.autocast('cpu', enabled=False), plain_saves()): yield
+
+def plain_saves():
+    """Identity hooks on saved tensors over the caller's, for work timed or probed inside a step: a gradient checkpoint's
+    hooks would count its saved tensors as the step's. The innermost pair is the one applied; where hooks are
+    disabled, none applies"""
+    import torch
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled(): return contextlib.nullcontext()
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 def decide_premise(key:str, probe:Callable[[], Timing|bool]) -> Timing|bool:
     """`decide(key, probe)` for a fact about this machine's kernels, not about one call: `probe` runs in `fresh_state`.

@@ -141,3 +141,28 @@ def test_training_step_as_precise_as_contiguous(net):
             for how in ('off', 'speed', 'memory'): ratios.setdefault(how, []).append(err[how] / err['contiguous'])
     finally: torch.set_num_threads(threads)
     assert all(sorted(r)[1] <= 3 for r in ratios.values()), ratios
+
+@pytest.mark.parametrize('fused', [False, True], ids=['precise_bn', 'fused_conv_bn'])
+def test_trains_inside_a_gradient_checkpoint(fused, tmp_path, monkeypatch):
+    """A block checkpointed without reentry (timm's `set_grad_checkpointing`) where a conv's output feeds a precise BN,
+    or a fused conv-BN on an input the block computes, on a fresh machine: backward recomputes the block (the C++ layer
+    node failed, 'A different number of tensors was saved during the original forward and recomputation', and so did
+    the fused layer's first call, whose timing of its two ways saved tensors as the block's), and every gradient is
+    fp64's at fp32's precision"""
+    from torch.utils.checkpoint import checkpoint
+    from clfast import fused as fused_mod
+    from clfast.fuse import fuse_conv_bn
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {}); monkeypatch.setattr(fused_mod, '_ways', {})
+    torch.manual_seed(0)
+    head = [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()] if fused else []   # the fused layer's input, computed in the block
+    net = nn.Sequential(*head, nn.Conv2d(3 + 5 * fused, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)).to(memory_format=CL)
+    ref = copy.deepcopy(net).double()
+    if fused: fuse_conv_bn(net)
+    else: net[1] = make_precise(net[1])
+    x = torch.randn(4, 3, 8, 8).to(memory_format=CL)
+    dy = torch.randn(4, 16, 8, 8, dtype=torch.float64)
+    checkpoint(net, x, use_reentrant=False).backward(dy.float().contiguous(memory_format=CL))
+    ref(x.double()).backward(dy)
+    for (name, got), want in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -212,10 +212,12 @@ def fresh_state():
 
 def plain_saves():
     """Identity hooks on saved tensors over the caller's, for work timed or probed inside a step: a gradient checkpoint's
-    hooks would count its saved tensors as the step's. The innermost pair is the one applied; where hooks are
-    disabled, none applies"""
+    hooks would count its saved tensors as the step's. The innermost pair is the one applied. Nothing where the caller
+    set none (timings then run as they do outside a checkpoint) or where hooks are disabled"""
     import torch
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled(): return contextlib.nullcontext()
+    top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)   # (torch 2.5 on)
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled() or (top is not None and top(False) is None):
+        return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 def decide_premise(key:str, probe:Callable[[], Timing|bool]) -> Timing|bool:

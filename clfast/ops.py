@@ -11,6 +11,7 @@ import torch, torch.distributed as dist
 from torch import Tensor
 from .act import get_act
 from .machine import CpuIsaError
+from .timing import saved_tensor_hooks_set
 from .reference import (ConvGeometry, PARAM_ROWS, acc_dtype, ref_layer_fwd, ref_batch_stats, ref_layer_bwd,
                         ref_update_running, _conv, _empty, _act_of)
 from .syncstats import _group_name, _synced_stats, _synced_grad_means
@@ -316,12 +317,6 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
 
 _DIRECT = functools.partial(_conv_bn_act, direct=True)
 
-_top_saved_hooks = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)   # (torch 2.5 on)
-
-def _saved_tensor_hooks() -> bool:
-    "Whether hooks on saved tensors are set (a gradient checkpoint's, `save_on_cpu`'s) on an eager call (torch.compile traces the op)"
-    return _top_saved_hooks is not None and not torch.compiler.is_compiling() and _top_saved_hooks(False) is not None
-
 def _layer_op(x:Tensor) -> Callable:
     """The layer op for `x`: where the Triton kernels serve `x` untraced (`_direct`: CUDA), the Python twin calling them
     as functions (no dispatcher's round trips, one launch fewer); else the C++ library's where it loaded (its autograd
@@ -330,7 +325,8 @@ def _layer_op(x:Tensor) -> Callable:
     block failed its backward ('A different number of tensors was saved during the original forward and
     recomputation'), where the twin's Python node trains as without the checkpoint"""
     if _direct(x): return _DIRECT
-    if _loaded.get('cpu', 'not loaded') is None and not _saved_tensor_hooks(): return torch.ops.clfast.conv_bn_act
+    if _loaded.get('cpu', 'not loaded') is None and (torch.compiler.is_compiling() or not saved_tensor_hooks_set()):
+        return torch.ops.clfast.conv_bn_act   # (compile traces the op; a torch that cannot tell keeps the node)
     return _conv_bn_act
 
 # %% ../nbs/21_ops.ipynb #7ddcb450

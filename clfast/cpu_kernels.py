@@ -4,7 +4,7 @@
 
 # %% ../nbs/22_cpu_kernels.ipynb #2b201df7
 from __future__ import annotations
-import contextlib, hashlib, importlib, logging, os, re, shutil, subprocess, sys, threading, time
+import contextlib, hashlib, importlib, io, logging, os, re, shutil, subprocess, sys, threading, time
 from pathlib import Path
 import torch
 import clfast
@@ -27,15 +27,21 @@ def missing_compiler() -> str|None:
 
 def _cpp_extension():
     """torch's extension builder (`torch.utils.cpp_extension`), imported without the warning its import logs on a
-    machine with a CUDA toolkit and no GPU ('No CUDA runtime is found, using CUDA_HOME=...'): the CPU kernels need
-    neither, and the warning read as an error in the demo's output. Its warnings while building are kept"""
+    machine with a CUDA toolkit and no GPU ('No CUDA runtime is found, using CUDA_HOME=...'; a print to stderr before
+    torch 2.5): the CPU kernels need neither, and the warning read as an error in the demo's output. Anything else the
+    import writes to stderr is passed on, and its warnings while building are kept"""
     name = 'torch.utils.cpp_extension'
     if name not in sys.modules:
         log = logging.getLogger(name)
         level = log.level
         log.setLevel(logging.ERROR)
-        try: importlib.import_module(name)
-        finally: log.setLevel(level)
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(printed): importlib.import_module(name)
+        finally:
+            log.setLevel(level)
+            sys.stderr.writelines(l for l in printed.getvalue().splitlines(keepends=True)
+                                  if not l.startswith('No CUDA runtime is found'))
     return sys.modules[name]
 
 def missing_toolchain() -> str|None:

@@ -11,7 +11,6 @@ import torch, torch.distributed as dist
 from torch import Tensor
 from .act import get_act
 from .machine import CpuIsaError
-from .timing import saved_tensor_hooks_set
 from .reference import (ConvGeometry, PARAM_ROWS, acc_dtype, ref_layer_fwd, ref_batch_stats, ref_layer_bwd,
                         ref_update_running, _conv, _empty, _act_of)
 from .syncstats import _group_name, _synced_stats, _synced_grad_means
@@ -236,10 +235,14 @@ class _LayerStep(torch.autograd.Function):
     is not loaded (a GPU machine without a C++ toolchain; on CPU kernels it cost 66 us more host time per layer step
     than the C++ node, 8 channels, Zen 5: 252 against 186 us), and wherever the Triton kernels serve the layer untraced
     (`direct`, CUDA): it calls them as functions, with no dispatcher between (`_direct`), and hands the statistics pass
-    the running statistics to update (`running`), one launch fewer than the ops' separate `update_running`"""
+    the running statistics to update (`running`: with a momentum), one launch fewer than the ops' separate
+    `update_running`. The running statistics are updated in forward, before autograd saves the node's tensors, as the
+    C++ node does (a gradient checkpoint's recomputation updates them again, as it does BatchNorm's)"""
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom:ConvGeometry, eps, act, act_param,
                 keep_y, training, group, direct:bool=False, running:tuple|None=None):
+        # the Triton kernels called directly update the running statistics in the statistics pass, by a momentum
+        fold = direct and not group and running is not None and running[3] is not None
         if training and group:   # this rank's conv, its statistics joined with the other ranks', then the layer
             y_here = x if weight is None else _conv(x, weight, bias, geom).contiguous(memory_format=torch.channels_last)
             mean_all, var_all, count = torch.ops.clfast.synced_stats(y_here, group)
@@ -249,10 +252,16 @@ class _LayerStep(torch.autograd.Function):
             params[4].mul_(count / (count - 1).clamp_min(1))
         elif direct:
             out, y, params = _triton().layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act,
-                                                 act_param, keep_y, None, running)
+                                                 act_param, keep_y, None, running if fold else None)
         else:
             out, y, params = torch.ops.clfast.layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, *geom,
                                                         eps, act, act_param, keep_y, None)
+        if running is not None and not fold:
+            # the variance's count for Bessel's correction; 1 (none) where the synchronized step applied every rank's
+            count = 1 if group else out.numel() // out.shape[1]
+            running_mean, running_var, num_batches_tracked, momentum = running
+            (_triton() if direct else torch.ops.clfast).update_running(running_mean, running_var, num_batches_tracked,
+                                                                       params, momentum, count)
         a = _act_of(act)
         has_act, has_res = a.name != 'none', residual is not None
         from_out = has_res and has_act and a.grad_from_out(act_param)
@@ -303,30 +312,18 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
     geom = ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups)
     synced = group if batch_stats else ''
     update = training and (running_mean is not None or num_batches_tracked is not None)
-    # the Triton kernels called directly update the running statistics in the statistics pass, by a momentum
-    fold = update and direct and not synced and momentum is not None
-    out, _, params = _LayerStep.apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act, act_param,
-                                      keep_y and weight is not None, batch_stats, synced, direct,
-                                      (running_mean, running_var, num_batches_tracked, momentum) if fold else None)
-    if update and not fold:
-        # the variance's count for Bessel's correction; 1 (none) where the synchronized step applied every rank's
-        count = 1 if synced else out.numel() // out.shape[1]
-        (_triton() if direct else torch.ops.clfast).update_running(running_mean, running_var, num_batches_tracked, params,
-                                                                   momentum, count)
-    return out
+    return _LayerStep.apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act, act_param,
+                            keep_y and weight is not None, batch_stats, synced, direct,
+                            (running_mean, running_var, num_batches_tracked, momentum) if update else None)[0]
 
 _DIRECT = functools.partial(_conv_bn_act, direct=True)
 
 def _layer_op(x:Tensor) -> Callable:
     """The layer op for `x`: where the Triton kernels serve `x` untraced (`_direct`: CUDA), the Python twin calling them
     as functions (no dispatcher's round trips, one launch fewer); else the C++ library's where it loaded (its autograd
-    node is the cheapest for the host over the C++ kernels) and no hooks on saved tensors are set, else the twin
-    through the kernel ops. Under a non-reentrant gradient checkpoint the C++ node on an input computed inside the
-    block failed its backward ('A different number of tensors was saved during the original forward and
-    recomputation'), where the twin's Python node trains as without the checkpoint"""
+    node is the cheapest for the host over the C++ kernels), else the twin through the kernel ops"""
     if _direct(x): return _DIRECT
-    if _loaded.get('cpu', 'not loaded') is None and (torch.compiler.is_compiling() or not saved_tensor_hooks_set()):
-        return torch.ops.clfast.conv_bn_act   # (compile traces the op; a torch that cannot tell keeps the node)
+    if _loaded.get('cpu', 'not loaded') is None: return torch.ops.clfast.conv_bn_act
     return _conv_bn_act
 
 # %% ../nbs/21_ops.ipynb #7ddcb450

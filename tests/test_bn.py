@@ -146,9 +146,11 @@ def test_training_step_as_precise_as_contiguous(net):
 def test_trains_inside_a_gradient_checkpoint(fused, tmp_path, monkeypatch):
     """A block checkpointed without reentry (timm's `set_grad_checkpointing`) where a conv's output feeds a precise BN,
     or a fused conv-BN on an input the block computes, on a fresh machine: backward recomputes the block (the C++ layer
-    node failed, 'A different number of tensors was saved during the original forward and recomputation', and so did
-    the fused layer's first call, whose timing of its two ways saved tensors as the block's), and every gradient is
-    fp64's at fp32's precision"""
+    node failed, 'A different number of tensors was saved during the original forward and recomputation': it unpacked
+    its saved tensors with autograd's keys excluded, so the recomputed ops recorded no autograd; and so did the fused
+    layer's first call, whose timing of its two ways saved tensors as the block's). Every gradient is fp64's at fp32's
+    precision, and the running statistics are stock's, which the recomputation updates a second time (the layer op
+    updated them after its node had saved, where the recomputation stops: once)"""
     from torch.utils.checkpoint import checkpoint
     from clfast import fused as fused_mod
     from clfast.fuse import fuse_conv_bn
@@ -163,6 +165,10 @@ def test_trains_inside_a_gradient_checkpoint(fused, tmp_path, monkeypatch):
     x = torch.randn(4, 3, 8, 8).to(memory_format=CL)
     dy = torch.randn(4, 16, 8, 8, dtype=torch.float64)
     checkpoint(net, x, use_reentrant=False).backward(dy.float().contiguous(memory_format=CL))
-    ref(x.double()).backward(dy)
+    checkpoint(ref, x.double(), use_reentrant=False).backward(dy)
     for (name, got), want in zip(net.named_parameters(), ref.parameters()):
         torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5, msg=name)
+    bn, bn64 = [[m for m in n.modules() if isinstance(m, nn.BatchNorm2d)][-1] for n in (net, ref)]
+    assert bn.num_batches_tracked == bn64.num_batches_tracked == 2
+    for name in ('running_mean', 'running_var'):
+        torch.testing.assert_close(getattr(bn, name).double(), getattr(bn64, name), rtol=1e-5, atol=1e-6, msg=name)

@@ -1,8 +1,11 @@
 """One fused training step against fp64, for the smoke run at another torch (tools/smoke_torch.sh): a fused conv-BN-ReLU
 layer's forward, backward and running statistics equal the stock modules' in fp64, and in fp32 stay within 3x of the
-stock fp32 step's error against fp64. Prints what it ran; exits non-zero on a mismatch."""
-import copy, sys, torch
+stock fp32 step's error against fp64; the same inside a non-reentrant gradient checkpoint, on an input the block
+computes; and the kernels load without torch's 'No CUDA runtime is found' line. Prints what it ran; exits non-zero on
+a mismatch."""
+import copy, os, subprocess, sys, tempfile, torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 import clfast
 from clfast import ops
 from clfast.fused import FusedConvBN2d, set_layer_way
@@ -13,11 +16,12 @@ torch.manual_seed(0)
 fused = FusedConvBN2d(8, 16, 3, padding=1, act='relu')
 stock = fused.to_stock()   # the same parameters as Conv2d, BatchNorm2d, ReLU
 
-def step(model, dtype):
+def step(model, dtype, checkpointed=False):
     m = copy.deepcopy(model).to(dtype).to(memory_format=torch.channels_last).train()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 8, 12, 12, generator=g).to(dtype).to(memory_format=torch.channels_last).requires_grad_()
-    out = m(x)
+    # the block computes the layer's input (a ReLU), so backward's recomputation must record that op's autograd
+    out = checkpoint(lambda t: m(t.relu()), x, use_reentrant=False) if checkpointed else m(x)
     out.backward(torch.randn(out.shape, generator=g).to(dtype))
     bn = m.bn if isinstance(m, FusedConvBN2d) else m[1]
     return [out, x.grad, *(p.grad for p in m.parameters()), bn.running_mean, bn.running_var]
@@ -29,3 +33,15 @@ fp64, fp32, stock32 = err(step(fused, torch.float64), want), err(step(fused, tor
 print(f"torch {torch.__version__}, clfast {clfast.__version__}: fused step vs stock fp64: fp64 {fp64:.1e}, fp32 {fp32:.1e} "
       f"(stock fp32 {stock32:.1e})")
 if fp64 > 1e-9 or fp32 > 3 * stock32: sys.exit("FAIL: the fused step is off fp64")
+want = step(stock, torch.float64, True)
+fp64, fp32, stock32 = (err(step(m, dt, True), want) for m, dt in [(fused, torch.float64), (fused, torch.float32), (stock, torch.float32)])
+print(f"the same step inside a gradient checkpoint: fp64 {fp64:.1e}, fp32 {fp32:.1e} (stock fp32 {stock32:.1e})")
+if fp64 > 1e-9 or fp32 > 3 * stock32: sys.exit("FAIL: the checkpointed fused step is off fp64")
+with tempfile.TemporaryDirectory() as toolkit:   # a CUDA toolkit's folder and no GPU: torch looks no further
+    run = lambda code: subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                                      env={**os.environ, 'CUDA_HOME': toolkit})
+    said = run('import torch.utils.cpp_extension').stderr
+    ours = run('from clfast import ops; assert ops.kernels_ready()')
+print(f"loading the kernels where a CUDA toolkit and no GPU are: torch {'says' if 'No CUDA runtime' in said else 'says nothing'},"
+      f" clfast {'says nothing' if ours.returncode == 0 and 'No CUDA runtime' not in ours.stderr else 'failed: ' + ours.stderr}")
+if ours.returncode or 'No CUDA runtime' in ours.stderr: sys.exit("FAIL: loading the kernels printed torch's CUDA warning")

@@ -2,8 +2,9 @@
 // training or inference step of act(bn(conv(x)) [+ residual]) with BatchNorm2d's semantics, on every device. It is
 // CompositeImplicitAutograd: what runs is the C++ autograd node below around the three kernel ops, `clfast::layer_fwd`,
 // `clfast::layer_bwd` and `clfast::batch_stats` (clfast/KERNELS.md), each registered per dispatch key (CPU:
-// conv_bn_act.cpp; CUDA: Triton, Meta: fakes, any other device: the pure-PyTorch reference, from ops.py). Then
-// BatchNorm's running statistics are updated. Whatever traces (torch.compile, export) sees the kernel ops.
+// conv_bn_act.cpp; CUDA: Triton, Meta: fakes, any other device: the pure-PyTorch reference, from ops.py); the node
+// also updates BatchNorm's running statistics (`clfast::update_running`). Whatever traces (torch.compile, export)
+// sees the kernel ops.
 // Synchronized statistics (a process group's name in `group`) call two Python ops, `clfast::synced_stats` and
 // `clfast::synced_grad_means` (clfast/syncstats.py: the collectives).
 // Why C++: between a module's forward and the kernels there is no Python, in either direction. The Python autograd
@@ -96,109 +97,6 @@ Tensor conv(const Tensor& x, const OptTensor& w, const OptTensor& b, const Geome
       .contiguous(at::MemoryFormat::ChannelsLast);
 }
 
-}  // namespace
-
-namespace clfast {
-// act(bn(conv(x)) [+ residual]): out, with y and params as non-differentiable outputs. `training`: normalise with the
-// batch's statistics (over every rank of `group` when one is named), else with the given `mean` and `var`.
-struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& weight, const OptTensor& bias,
-                               const OptTensor& bn_weight, const OptTensor& bn_bias, const OptTensor& residual,
-                               const OptTensor& mean, const OptTensor& var, Geometry g, double eps, int64_t act,
-                               double act_param, bool keep_y, bool training, std::string group) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels have no autograd of their own: this node is it
-    Tensor out, y, params;
-    if (training && !group.empty()) {  // this rank's conv, its statistics joined with the other ranks', then the layer
-      const Tensor y_here = conv(x, weight, bias, g);
-      auto [mean_all, var_all, count] = synced_stats(y_here, group);
-      std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean_all, var_all, g, eps, act,
-                                           act_param, keep_y, y_here);
-      // row 4, the variance the running average takes, unbiased with every rank's count (backward reads rows 0-3)
-      params.select(0, 4).mul_(count / (count - 1).clamp_min(1));
-    } else {
-      std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g, eps, act,
-                                           act_param, keep_y, std::nullopt);
-    }
-    const bool has_act = act != clfast_cpu::act::kNone, has_res = given(residual);
-    const bool from_out = has_res && has_act && clfast_cpu::act::grad_from_out(act, act_param);
-    const bool keep_res = has_res && has_act && !from_out;
-    ctx->save_for_backward({x, weight.value_or(Tensor()), bias.value_or(Tensor()), y, params,
-                            keep_res ? *residual : Tensor(), from_out ? out : Tensor()});
-    ctx->saved_data["stride"] = g.stride;
-    ctx->saved_data["padding"] = g.padding;
-    ctx->saved_data["dilation"] = g.dilation;
-    ctx->saved_data["groups"] = g.groups;
-    ctx->saved_data["training"] = training;
-    ctx->saved_data["act"] = act;
-    ctx->saved_data["act_param"] = act_param;
-    ctx->saved_data["group"] = group;
-    // autograd's edges are the given tensors only: which of x, weight, bias, bn_weight, bn_bias, residual were
-    ctx->saved_data["given"] = std::vector<bool>{true, given(weight), given(bias), given(bn_weight), given(bn_bias),
-                                                 has_res};
-    // BN's parameter gradients come out in the accumulation dtype; they go back in their parameters' dtypes
-    ctx->saved_data["bn_weight_dtype"] = given(bn_weight) ? int64_t(bn_weight->scalar_type()) : int64_t(-1);
-    ctx->saved_data["bn_bias_dtype"] = given(bn_bias) ? int64_t(bn_bias->scalar_type()) : int64_t(-1);
-    ctx->mark_non_differentiable({y, params});
-    ctx->set_materialize_grads(false);  // y and params never get gradients: no zero-filled activation-sized tensors
-    return {out, y, params};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    RECORD_FUNCTION("clfast::conv_bn_act_backward", std::vector<c10::IValue>());
-    TORCH_CHECK(!at::GradMode::is_enabled(), "clfast's fused conv-BN has no double backward (create_graph=True): "
-                "unfuse the model (clfast.fuse.unfuse_conv_bn) for higher-order gradients");
-    variable_list result(15);
-    if (!grads[0].defined()) return result;
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &x = saved[0], &params = saved[4];
-    const OptTensor weight = opt(saved[1]), bias = opt(saved[2]), residual = opt(saved[5]);
-    const Tensor empty = x.new_empty({0});
-    const Tensor out = saved[6].defined() ? saved[6] : empty;
-    Tensor y = saved[3].defined() ? saved[3] : empty;  // empty: the 'memory' mode, recomputed by the kernel
-    auto& d = ctx->saved_data;
-    const Geometry g{d["stride"].toIntVector(), d["padding"].toIntVector(), d["dilation"].toIntVector(),
-                     d["groups"].toInt()};
-    const int64_t act = d["act"].toInt();
-    const double act_param = d["act_param"].toDouble();
-    const bool training = d["training"].toBool();
-    const std::string group = d["group"].toStringRef();
-    std::array<bool, 6> needs{};
-    const auto was_given = d["given"].toBoolList();
-    for (size_t i = 0, edge = 0; i < 6; ++i)
-      if (was_given[i]) needs[i] = ctx->needs_input_grad(edge++);
-    const bool res_through_act = needs[5] && act != clfast_cpu::act::kNone;
-    const Tensor dout = grads[0].to(x.scalar_type());
-    Tensor dx, dw, db, dbw, dbb, dres;
-    if (training && !group.empty()) {  // this rank's two per-channel sums, summed over the ranks, then dy from their means
-      if (no_elements(y)) y = conv(x, weight, bias, g);  // once, for both passes
-      auto [_x, _w, _b, sum_dzx, sum_dz, _r] = layer_bwd(dout, x, weight, bias, y, params, residual, out, g, training, act,
-                                                         act_param, {false, false, false, true, true, false}, std::nullopt);
-      const Tensor means = synced_grad_means(sum_dz, sum_dzx, y, group);
-      std::tie(dx, dw, db, std::ignore, std::ignore, dres) =
-          layer_bwd(dout, x, weight, bias, y, params, residual, out, g, training, act, act_param,
-                    {needs[0], needs[1], needs[2], false, false, res_through_act}, means);
-      // BN's own parameter gradients stay this rank's, as SyncBatchNorm's: DDP averages them with the others
-      dbw = sum_dzx; dbb = sum_dz;
-    } else {
-      std::tie(dx, dw, db, dbw, dbb, dres) =
-          layer_bwd(dout, x, weight, bias, y, params, residual, out, g, training, act, act_param,
-                    {needs[0], needs[1], needs[2], needs[3], needs[4], res_through_act}, std::nullopt);
-    }
-    if (needs[5] && !res_through_act) dres = dout;  // no activation: dresidual is dout
-    const Tensor got[6] = {dx, dw, db, dbw, dbb, dres};
-    for (size_t i = 0; i < 6; ++i)
-      if (needs[i] && got[i].defined() && !no_elements(got[i])) result[i] = got[i];
-    for (auto [i, key] : {std::pair<size_t, const char*>{3, "bn_weight_dtype"}, {4, "bn_bias_dtype"}})
-      if (result[i].defined()) result[i] = result[i].to(at::ScalarType(d[key].toInt()));
-    return result;
-  }
-};
-
-}  // namespace clfast
-
-namespace {
-
 // ATen's lerp on the CPU (its vector formula): start + weight * (end - start), from the nearer end
 template <typename T> T lerp(T start, T end, T weight) {
   const bool small = std::abs(weight) < T(0.5);
@@ -261,6 +159,130 @@ void update_running_op(const OptTensor& running_mean, const OptTensor& running_v
   k.call(running_mean, running_var, num_batches_tracked, params, momentum, std::move(count));
 }
 
+}  // namespace
+
+namespace clfast {
+// BatchNorm's running statistics and count, and whether this step updates them from its batch's (a training step)
+struct Running {
+  OptTensor mean, var, num_batches_tracked;
+  std::optional<double> momentum;
+  bool update;
+};
+
+// act(bn(conv(x)) [+ residual]): out, with y and params as non-differentiable outputs. `training`: normalise with the
+// batch's statistics (over every rank of `group` when one is named), else with the given `mean` and `var`; then the
+// running statistics are updated, here, before autograd saves this node's tensors: a non-reentrant gradient
+// checkpoint stops its recomputation at the block's last saved tensor, and BatchNorm's own kernel, which updates them
+// before it saves, updates them again in that recomputation (a fused layer must keep the statistics stock keeps)
+struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
+  static constexpr size_t kArgs = 16;  // forward's arguments after ctx: backward returns one gradient (or none) each
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                               const OptTensor& bn_weight, const OptTensor& bn_bias, const OptTensor& residual,
+                               const OptTensor& mean, const OptTensor& var, Geometry g, double eps, int64_t act,
+                               double act_param, bool keep_y, bool training, std::string group, Running running) {
+    Tensor out, y, params;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;  // the kernels have no autograd of their own: this node is it
+      if (training && !group.empty()) {  // this rank's conv, its statistics joined with the other ranks', then the layer
+        const Tensor y_here = conv(x, weight, bias, g);
+        auto [mean_all, var_all, count] = synced_stats(y_here, group);
+        std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean_all, var_all, g, eps,
+                                             act, act_param, keep_y, y_here);
+        // row 4, the variance the running average takes, unbiased with every rank's count (backward reads rows 0-3)
+        params.select(0, 4).mul_(count / (count - 1).clamp_min(1));
+      } else {
+        std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g, eps, act,
+                                             act_param, keep_y, std::nullopt);
+      }
+    }
+    if (running.update) {  // as the op did after this node (in-place updates bump the statistics' versions)
+      // the variance's count for Bessel's correction; 1 (none) where the synchronized step applied every rank's
+      c10::SymInt count = group.empty() ? out.sym_numel() / out.sym_size(1) : c10::SymInt(1);
+      update_running_op(running.mean, running.var, running.num_batches_tracked, params, running.momentum,
+                        std::move(count));
+    }
+    const bool has_act = act != clfast_cpu::act::kNone, has_res = given(residual);
+    const bool from_out = has_res && has_act && clfast_cpu::act::grad_from_out(act, act_param);
+    const bool keep_res = has_res && has_act && !from_out;
+    ctx->save_for_backward({x, weight.value_or(Tensor()), bias.value_or(Tensor()), y, params,
+                            keep_res ? *residual : Tensor(), from_out ? out : Tensor()});
+    ctx->saved_data["stride"] = g.stride;
+    ctx->saved_data["padding"] = g.padding;
+    ctx->saved_data["dilation"] = g.dilation;
+    ctx->saved_data["groups"] = g.groups;
+    ctx->saved_data["training"] = training;
+    ctx->saved_data["act"] = act;
+    ctx->saved_data["act_param"] = act_param;
+    ctx->saved_data["group"] = group;
+    // autograd's edges are the given tensors only: which of x, weight, bias, bn_weight, bn_bias, residual were
+    ctx->saved_data["given"] = std::vector<bool>{true, given(weight), given(bias), given(bn_weight), given(bn_bias),
+                                                 has_res};
+    // BN's parameter gradients come out in the accumulation dtype; they go back in their parameters' dtypes
+    ctx->saved_data["bn_weight_dtype"] = given(bn_weight) ? int64_t(bn_weight->scalar_type()) : int64_t(-1);
+    ctx->saved_data["bn_bias_dtype"] = given(bn_bias) ? int64_t(bn_bias->scalar_type()) : int64_t(-1);
+    ctx->mark_non_differentiable({y, params});
+    ctx->set_materialize_grads(false);  // y and params never get gradients: no zero-filled activation-sized tensors
+    return {out, y, params};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    RECORD_FUNCTION("clfast::conv_bn_act_backward", std::vector<c10::IValue>());
+    TORCH_CHECK(!at::GradMode::is_enabled(), "clfast's fused conv-BN has no double backward (create_graph=True): "
+                "unfuse the model (clfast.fuse.unfuse_conv_bn) for higher-order gradients");
+    variable_list result(kArgs);
+    if (!grads[0].defined()) return result;
+    // unpacked before autograd's keys are excluded: a non-reentrant gradient checkpoint recomputes its block inside
+    // this call, and the block's other ops must record their autograd (and save their tensors) as in the forward
+    const auto saved = ctx->get_saved_variables();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const Tensor &x = saved[0], &params = saved[4];
+    const OptTensor weight = opt(saved[1]), bias = opt(saved[2]), residual = opt(saved[5]);
+    const Tensor empty = x.new_empty({0});
+    const Tensor out = saved[6].defined() ? saved[6] : empty;
+    Tensor y = saved[3].defined() ? saved[3] : empty;  // empty: the 'memory' mode, recomputed by the kernel
+    auto& d = ctx->saved_data;
+    const Geometry g{d["stride"].toIntVector(), d["padding"].toIntVector(), d["dilation"].toIntVector(),
+                     d["groups"].toInt()};
+    const int64_t act = d["act"].toInt();
+    const double act_param = d["act_param"].toDouble();
+    const bool training = d["training"].toBool();
+    const std::string group = d["group"].toStringRef();
+    std::array<bool, 6> needs{};
+    const auto was_given = d["given"].toBoolList();
+    for (size_t i = 0, edge = 0; i < 6; ++i)
+      if (was_given[i]) needs[i] = ctx->needs_input_grad(edge++);
+    const bool res_through_act = needs[5] && act != clfast_cpu::act::kNone;
+    const Tensor dout = grads[0].to(x.scalar_type());
+    Tensor dx, dw, db, dbw, dbb, dres;
+    if (training && !group.empty()) {  // this rank's two per-channel sums, summed over the ranks, then dy from their means
+      if (no_elements(y)) y = conv(x, weight, bias, g);  // once, for both passes
+      auto [_x, _w, _b, sum_dzx, sum_dz, _r] = layer_bwd(dout, x, weight, bias, y, params, residual, out, g, training, act,
+                                                         act_param, {false, false, false, true, true, false}, std::nullopt);
+      const Tensor means = synced_grad_means(sum_dz, sum_dzx, y, group);
+      std::tie(dx, dw, db, std::ignore, std::ignore, dres) =
+          layer_bwd(dout, x, weight, bias, y, params, residual, out, g, training, act, act_param,
+                    {needs[0], needs[1], needs[2], false, false, res_through_act}, means);
+      // BN's own parameter gradients stay this rank's, as SyncBatchNorm's: DDP averages them with the others
+      dbw = sum_dzx; dbb = sum_dz;
+    } else {
+      std::tie(dx, dw, db, dbw, dbb, dres) =
+          layer_bwd(dout, x, weight, bias, y, params, residual, out, g, training, act, act_param,
+                    {needs[0], needs[1], needs[2], needs[3], needs[4], res_through_act}, std::nullopt);
+    }
+    if (needs[5] && !res_through_act) dres = dout;  // no activation: dresidual is dout
+    const Tensor got[6] = {dx, dw, db, dbw, dbb, dres};
+    for (size_t i = 0; i < 6; ++i)
+      if (needs[i] && got[i].defined() && !no_elements(got[i])) result[i] = got[i];
+    for (auto [i, key] : {std::pair<size_t, const char*>{3, "bn_weight_dtype"}, {4, "bn_bias_dtype"}})
+      if (result[i].defined()) result[i] = result[i].to(at::ScalarType(d[key].toInt()));
+    return result;
+  }
+};
+
+}  // namespace clfast
+
+namespace {
+
 Tensor conv_bn_act(const Tensor& x, const OptTensor& weight, const OptTensor& bias, const OptTensor& bn_weight,
                    const OptTensor& bn_bias, const OptTensor& residual, const OptTensor& running_mean,
                    const OptTensor& running_var, const OptTensor& num_batches_tracked, bool training,
@@ -275,14 +297,10 @@ Tensor conv_bn_act(const Tensor& x, const OptTensor& weight, const OptTensor& bi
   }
   const std::string synced = batch_stats ? std::string(group) : std::string();
   const Geometry g{stride.vec(), padding.vec(), dilation.vec(), groups};
-  auto outs = clfast::ConvBnAct::apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g, eps, act, act_param,
-                               keep_y && given(weight), batch_stats, synced);
-  if (training && (given(running_mean) || given(num_batches_tracked))) {
-    // the variance's count for Bessel's correction; 1 (none) where the synchronized step applied every rank's
-    c10::SymInt count = synced.empty() ? outs[0].sym_numel() / outs[0].sym_size(1) : c10::SymInt(1);
-    update_running_op(running_mean, running_var, num_batches_tracked, outs[2], momentum, std::move(count));
-  }
-  return outs[0];
+  const clfast::Running running{running_mean, running_var, num_batches_tracked, momentum,
+                                training && (given(running_mean) || given(num_batches_tracked))};
+  return clfast::ConvBnAct::apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g, eps, act, act_param,
+                                  keep_y && given(weight), batch_stats, synced, running)[0];
 }
 
 }  // namespace

@@ -3,13 +3,15 @@ layer's forward, backward and running statistics equal the stock modules' in fp6
 stock fp32 step's error against fp64; the same inside a non-reentrant gradient checkpoint, on an input the block
 computes; and the kernels load without torch's 'No CUDA runtime is found' line. Prints what it ran; exits non-zero on
 a mismatch."""
-import copy, os, subprocess, sys, tempfile, torch
+import copy, os, subprocess, sys, tempfile, warnings, torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 import clfast
 from clfast import ops
 from clfast.fused import FusedConvBN2d, set_layer_way
 
+# torch 2.4's checkpoint calls its own deprecated torch.cpu.amp.autocast: its warning, not clfast's
+warnings.filterwarnings('ignore', message=r'`torch\.cpu\.amp\.autocast', category=FutureWarning)
 set_layer_way('fused')   # clfast's op itself, never the stock way the default may time faster
 assert ops.kernels_ready(), "the C++ kernels did not load"
 torch.manual_seed(0)

@@ -7,11 +7,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+case "${CLFAST_SMOKE:-1}" in
+  1|0) ;;
+  *) echo "CLFAST_SMOKE=$CLFAST_SMOKE: use 1 (the default: the smoke run at the lowest admitted torch) or 0 (skip it)"; exit 1 ;;
+esac
+case "${CLFAST_ISA_MATRIX:-1}" in
+  1|0) ;;
+  *) echo "CLFAST_ISA_MATRIX=$CLFAST_ISA_MATRIX: use 1 (the default: the levels below this CPU's) or 0 (skip them)"; exit 1 ;;
+esac
 # pip's output goes to a log, shown only when an install fails
 pip_install() { local venv=$1; shift; "$venv/bin/python" -m pip install -q "$@" >"$venv/pip.log" 2>&1 || { cat "$venv/pip.log"; exit 1; }; }
 [ -x .venv/bin/python ] || $PY -m venv .venv
 pip_install .venv torch==2.14.1 torchvision==0.29.1
 pip_install .venv -e ".[dev]"
+# the smoke venv's install (downloading and unpacking, about one core) runs beside what follows up to the smoke run
+# (the nbdev tools' install, the kernel build, whose longest file leaves a core idle); its output is shown then
+if [ "${CLFAST_SMOKE:-1}" = 1 ]; then
+  smoke_log=$(mktemp)
+  bash tools/smoke_torch.sh install >"$smoke_log" 2>&1 &
+  smoke_install=$!
+fi
 # nbdev v2 (settings.ini) needs fastcore 1.x while fastai needs fastcore 2, so the nbdev tools live in their own venv
 [ -x .venv-nbdev/bin/python ] || $PY -m venv .venv-nbdev
 pip_install .venv-nbdev -r tools/nbdev-tools.txt
@@ -32,14 +47,10 @@ echo "nbdev sync: notebooks, clfast/ and README.md are in sync"
 # clfast's C++ kernels for every level this CPU runs: its own for the suite, the lower ones for the ISA matrix
 .venv/bin/clfast build --levels all
 # before the suite, whose summary line must end the output: the lowest admitted torch, then the levels below this CPU's
-case "${CLFAST_SMOKE:-1}" in
-  1) bash tools/smoke_torch.sh ;;
-  0) ;;
-  *) echo "CLFAST_SMOKE=$CLFAST_SMOKE: use 1 (the default: the smoke run at the lowest admitted torch) or 0 (skip it)"; exit 1 ;;
-esac
-case "${CLFAST_ISA_MATRIX:-1}" in
-  1) .venv/bin/python tools/isa_matrix.py ;;
-  0) ;;
-  *) echo "CLFAST_ISA_MATRIX=$CLFAST_ISA_MATRIX: use 1 (the default: the levels below this CPU's) or 0 (skip them)"; exit 1 ;;
-esac
+if [ "${CLFAST_SMOKE:-1}" = 1 ]; then
+  wait $smoke_install || { cat "$smoke_log"; echo "FAIL: the smoke venv's install"; exit 1; }
+  cat "$smoke_log"; rm -f "$smoke_log"
+  bash tools/smoke_torch.sh run
+fi
+if [ "${CLFAST_ISA_MATRIX:-1}" = 1 ]; then .venv/bin/python tools/isa_matrix.py; fi
 exec .venv/bin/python -m pytest -q "$@"

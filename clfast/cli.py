@@ -4,7 +4,7 @@
 
 # %% ../nbs/90_cli.ipynb #f7fe20ca
 from __future__ import annotations
-import argparse, importlib, sys
+import argparse, importlib, sys, warnings
 
 # %% auto #0
 __all__ = ['COMMANDS', 'PARSERS', 'positive_int', 'positive_float', 'classifier_name', 'demo_arch', 'demo_parser',
@@ -137,6 +137,9 @@ PARSERS = {'demo': demo_parser, 'audit-models': audit_models_parser, 'bench': be
 def main(argv=None):
     "Entry point of the `clfast` console script"
     argv = sys.argv[1:] if argv is None else list(argv)
+    # fastai scripts a function with torch.jit.script as it imports, which torch 2.14 calls deprecated: a FutureWarning
+    # naming torch's file, that no one running a clfast command can act on
+    warnings.filterwarnings('ignore', message=r'`torch\.jit\.script` is deprecated', category=FutureWarning)
     if not argv or argv[0] in ('-h', '--help'): print(_usage()); return 0
     if argv[0] not in COMMANDS:
         print(f"clfast: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr); return 2

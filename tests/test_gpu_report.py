@@ -17,7 +17,8 @@ def report(tmp_path_factory) -> dict:
     """`python -m clfast.gpu_report --json`, once, in a fresh process: the kernels must be JIT functions, which they are
     not in a process that imported them under `TRITON_INTERPRET=1`. About 1100 compiles, in one process per CPU: 5
     minutes on the project's 2-core AVX2 EPYC with an empty Triton cache (about 11 in one process), 25-40 s once
-    Triton's on-disk cache (~/.triton/cache) holds them."""
+    Triton's on-disk cache (~/.triton/cache) holds them. The test command (tools/test.sh) fills that cache in the
+    background from its start, at the lowest priority."""
     out = tmp_path_factory.mktemp('gpu_report') / 'report.json'
     env = {k: v for k, v in os.environ.items() if k not in ('TRITON_INTERPRET', 'CLFAST_KERNELS')}
     env['PYTHONPATH'] = os.pathsep.join([str(ROOT), env.get('PYTHONPATH', '')])

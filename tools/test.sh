@@ -27,6 +27,13 @@ if [ "${CLFAST_SMOKE:-1}" = 1 ]; then
   bash tools/smoke_torch.sh install >"$smoke_log" 2>&1 &
   smoke_install=$!
 fi
+# the CUDA kernels' offline compile (tests/test_gpu_report.py's report: about 1100 compiles, minutes with an empty
+# Triton cache) warms Triton's cache in the background at the lowest priority, on what the cores leave idle from here
+# to its tests (pip's installs, the kernel build's longest file and most tests keep one core busy, not two); stopped
+# when this script ends
+setsid nice -n 19 env -u TRITON_INTERPRET -u CLFAST_KERNELS .venv/bin/python -m clfast.gpu_report >/dev/null 2>&1 &
+warm_triton=$!
+trap 'kill -- -$warm_triton 2>/dev/null || true' EXIT   # done or not, at this script's end (or failure)
 # nbdev v2 (settings.ini) needs fastcore 1.x while fastai needs fastcore 2, so the nbdev tools live in their own venv
 [ -x .venv-nbdev/bin/python ] || $PY -m venv .venv-nbdev
 pip_install .venv-nbdev -r tools/nbdev-tools.txt
@@ -53,4 +60,5 @@ if [ "${CLFAST_SMOKE:-1}" = 1 ]; then
   bash tools/smoke_torch.sh run
 fi
 if [ "${CLFAST_ISA_MATRIX:-1}" = 1 ]; then .venv/bin/python tools/isa_matrix.py; fi
-exec .venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q "$@" && rc=0 || rc=$?
+exit $rc

@@ -195,7 +195,7 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
                                              act_param, keep_y, std::nullopt);
       }
     }
-    if (running.update) {  // as the op did after this node (in-place updates bump the statistics' versions)
+    if (running.update) {  // outside the guard: ATen's in-place fallback bumps the statistics' versions
       // the variance's count for Bessel's correction; 1 (none) where the synchronized step applied every rank's
       c10::SymInt count = group.empty() ? out.sym_numel() / out.sym_size(1) : c10::SymInt(1);
       update_running_op(running.mean, running.var, running.num_batches_tracked, params, running.momentum,

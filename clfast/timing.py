@@ -13,8 +13,8 @@ except ImportError: fcntl = None
 
 # %% auto #0
 __all__ = ['MARGIN', 'ALPHA', 'MIN_PAIRS', 'MAX_PAIRS', 'TIMINGS', 'LOCK_TIMEOUT', 'sign_test', 'verdict', 'Timing', 'time_pair',
-           'paired_ratio', 'DeviceClock', 'measuring', 'decide', 'fresh_state', 'saved_tensor_hooks_set', 'plain_saves',
-           'decide_premise', 'timings', 'forget_timings', 'report']
+           'paired_ratio', 'DeviceClock', 'measuring', 'decide', 'fresh_state', 'plain_saves', 'decide_premise',
+           'timings', 'forget_timings', 'report']
 
 # %% ../nbs/04a_timing.ipynb #cf53f735
 MARGIN = 0.95               # the candidate is chosen only where it takes at most this fraction of the default's time
@@ -210,18 +210,14 @@ def fresh_state():
     with (_disable_current_modes(), torch._C.DisableTorchFunction(), torch.inference_mode(False), torch.enable_grad(),
           torch.autocast('cpu', enabled=False), plain_saves()): yield
 
-def saved_tensor_hooks_set() -> bool|None:
-    "Whether hooks on saved tensors are set here (a gradient checkpoint's, `save_on_cpu`'s); None where this torch cannot tell (before 2.5)"
-    import torch
-    top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)
-    return None if top is None else top(False) is not None
-
 def plain_saves():
     """Identity hooks on saved tensors over the caller's, for work timed or probed inside a step: a gradient checkpoint's
     hooks would count its saved tensors as the step's. The innermost pair is the one applied. Nothing where the caller
-    set none (timings then run as they do outside a checkpoint) or where hooks are disabled"""
+    set none (timings then run as they do outside a checkpoint; a torch before 2.5 cannot tell, and gets the pair) or
+    where hooks are disabled"""
     import torch
-    if not torch._C._autograd._saved_tensors_hooks_is_enabled() or saved_tensor_hooks_set() is False:
+    top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)   # the caller's pair, or None
+    if not torch._C._autograd._saved_tensors_hooks_is_enabled() or (top is not None and top(False) is None):
         return contextlib.nullcontext()
     return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 

@@ -11,6 +11,7 @@ from .bad_kernels import *
 from .routes import *
 from .guard import *
 from .timing import timings, forget_timings
+from .stock import stock_copy
 from .check import conv_geometries, check_geometries, check_channelslast
 from .finder import Setup, measure_setups, best_setup, bench_model, plot_setups
 from .act import ACTS, act_of, get_act

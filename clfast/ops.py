@@ -357,7 +357,8 @@ def _run_layer(x:Tensor, weight, bias, bn_weight, bn_bias, running_mean, running
     a single value a channel) is checked here"""
     batch_stats = training or (running_mean is None and running_var is None)
     group = _group_name(process_group) if batch_stats else ''
-    if residual is not None or (x.shape[0] == 1 and batch_stats and not group):   # (the output's size only where it matters)
+    # (the output's size only where it matters; the batch size read last: jit.trace warns at each tensor-shape test)
+    if residual is not None or (batch_stats and not group and x.shape[0] == 1):
         size = _out_size(x, weight, geometry)
         if residual is not None and list(residual.shape) != size:
             raise ValueError(f"residual shape {list(residual.shape)} must equal the conv output's {size}")

@@ -8,7 +8,7 @@ import copy, copyreg
 from torch import nn
 
 # %% auto #0
-__all__ = ['AsStock', 'rebuilt', 'replace_modules', 'need_module']
+__all__ = ['AsStock', 'rebuilt', 'replace_modules', 'need_module', 'stock_copy']
 
 # %% ../nbs/18_stock.ipynb #d4cc79cb
 class AsStock:
@@ -30,8 +30,16 @@ class AsStock:
     def _stock_view(self) -> nn.Module:
         "A new module of the stock class sharing this one's parameters, buffers and submodules, beside it"
         return rebuilt(self, self._stock_class, drop=self._own_attrs, own_dicts=True)
+    def __prepare_scriptable__(self):
+        # torch.jit.script asks each submodule for this and puts what it returns into its parent's `_modules`: the
+        # user's model itself. A stock stand-in would turn the model stock in place, so the script is refused instead
+        how = ("script `clfast.stock.stock_copy(model)`, a copy in stock classes" if self._pickles_as_stock() else
+               f"this {type(self).__name__} was made on its own, not by surgery, and has no stock class: script a "
+               "model of stock modules fused by `clfast.fuse.fuse_conv_bn`, through `clfast.stock.stock_copy(model)`")
+        raise RuntimeError(f"torch.jit.script cannot compile clfast's {type(self).__name__}: {how}; or record the "
+                           "model as it is with torch.export.export")
 
-# %% ../nbs/18_stock.ipynb #r3b1d002
+# %% ../nbs/18_stock.ipynb #3fd15e65
 def rebuilt(module:nn.Module, cls:type, drop:tuple=(), own_dicts:bool=False) -> nn.Module:
     """A new `cls` module over `module`'s state: its parameters, buffers, submodules, hooks and attributes (the same
     objects), less the attributes `drop`; `own_dicts`: in dicts of its own (a view that lives beside `module`)"""
@@ -64,3 +72,11 @@ def need_module(model, who:str, learner_way:str|None=None) -> nn.Module:
                f"`torchvision.models.{model}()`")
     else: why = f"got {type(model).__name__}"
     raise TypeError(f"{who} takes an nn.Module, {why}")
+
+# %% ../nbs/18_stock.ipynb #9e1e9491
+def stock_copy(model:nn.Module) -> nn.Module:
+    """A copy of `model` in stock classes, as it pickles: each clfast module as the stock class it stands in for, less
+    clfast's attributes (a fused layer as its conv, BN and activation; a folded conv as a conv with the folded weights).
+    For code that needs the stock classes, such as `torch.jit.script`"""
+    m = copy.deepcopy(need_module(model, 'stock_copy'))
+    return replace_modules(m, {c: c._stock_module() for c in m.modules() if isinstance(c, AsStock) and c._pickles_as_stock()})

@@ -1,10 +1,12 @@
 "Model surgery on real torchvision / timm / fastai models: same state_dict, same parameters, same numbers, undo, fold"
-import copy, io, pickle
+import copy, io, pickle, warnings
 import pytest, torch, timm, torchvision
 from torch import nn
 from fastai.vision.models.xresnet import xresnet18
 from clfast.fused import FusedConvBN2d, PassThroughBN2d
 from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, is_fused, fold_conv_bn, fusion_report, FoldedConv2d
+from clfast.guard import guard_model
+from clfast.stock import AsStock, stock_copy
 
 pytestmark = pytest.mark.usefixtures('fused_way')   # the surgery's fused layers checked as clfast's op ('timed' could run them the stock way)
 
@@ -184,6 +186,28 @@ def test_fold_of_fused_model():
     fuse_conv_bn(m).eval()
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad(): torch.testing.assert_close(fold_conv_bn(m)(x), m(x), rtol=1e-3, atol=1e-4)
+
+@pytest.mark.parametrize('name', ['timm_resnet18', 'fastai_xresnet18'])
+def test_jit_script_says_to_script_a_stock_copy(name):
+    """torch.jit.script of a model fused and guarded as `to_channelslast` leaves it, or folded, refuses, naming
+    `stock_copy`, and leaves the model as it was; the stock copy scripts and computes the model (against fp64)"""
+    torch.manual_seed(0)
+    base = randomize_bn(MODELS[name]())
+    m = fuse_conv_bn(copy.deepcopy(base)); guard_model(m)
+    folded = fold_conv_bn(copy.deepcopy(m).eval())
+    x = torch.randn(2, 3, 64, 64)
+    rel = lambda got, ref: ((got.double() - ref).norm() / ref.norm()).item()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FutureWarning)   # torch.jit is deprecated (torch 2.14), not gone
+        for model, train in ((m, True), (folded, False)):
+            types = [type(c) for c in model.modules()]
+            with pytest.raises(RuntimeError, match=r"script `clfast.stock.stock_copy\(model\)`"): torch.jit.script(model)
+            assert [type(c) for c in model.modules()] == types and is_fused(m)
+            stock = stock_copy(model)
+            assert not any(isinstance(c, AsStock) for c in stock.modules())
+            scripted = torch.jit.script(stock).train(train)
+            ref = copy.deepcopy(base).double().train(train)(x.double())
+            assert rel(scripted(x), ref) < 1e-4, (train, rel(scripted(x), ref))
 
 @pytest.mark.cuda
 @pytest.mark.parametrize('mode', ['speed', 'memory'])

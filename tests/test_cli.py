@@ -1,12 +1,15 @@
 "The `clfast` command: options parsed before torch loads, defaults shown, any torchvision/timm arch trains with progress."
-import os, subprocess, sys, pytest
+import json, os, subprocess, sys, pytest
 from clfast.cli import main
 
-def _run(*args):
-    "`clfast ARGS` in a fresh interpreter; also reports whether torch or fastai got imported"
-    code = ("import sys; from clfast.cli import main\ntry: main(sys.argv[1:])\nexcept SystemExit as e: print('exit', e.code)\n"
+def _run(*args, commands:tuple=()):
+    """`clfast ARGS` in a fresh interpreter, or `clfast C ARGS` for each C of `commands` in turn in one (the first pays
+    the imports); also reports whether torch or fastai got imported"""
+    code = ("import sys, json; from clfast.cli import main\nfor argv in json.loads(sys.argv[1]):\n"
+            "    try: main(argv)\n    except SystemExit as e: print('exit', e.code)\n"
             "print('heavy', any(m in sys.modules for m in ('torch', 'fastai')))")
-    return subprocess.run([sys.executable, '-c', code, *args], capture_output=True, text=True)
+    runs = [[c, *args] for c in commands] or [list(args)]
+    return subprocess.run([sys.executable, '-c', code, json.dumps(runs)], capture_output=True, text=True)
 
 @pytest.mark.parametrize('cmd', ['demo', 'audit-models'])
 def test_help_without_torch(cmd):
@@ -43,13 +46,15 @@ def test_check_timeout_above_zero():
     assert 'exit 2' in r.stdout and 'argument --timeout: must be above 0, got 0' in r.stderr and 'heavy False' in r.stdout, \
         r.stdout + r.stderr
 
-@pytest.mark.parametrize('cmd', ['demo', 'bench', 'check'])
-def test_unknown_arch_is_an_option_error(cmd):
+def test_unknown_arch_is_an_option_error():
     "A misspelt --arch stops at the options with the nearest names, as any bad option does, not in a traceback"
-    r = _run(cmd, '--arch', 'resnet1')
-    assert 'exit 2' in r.stdout and 'Traceback' not in r.stderr, r.stdout + r.stderr
+    cmds = ('demo', 'bench', 'check')
+    r = _run('--arch', 'resnet1', commands=cmds)
+    assert r.stdout.count('exit 2') == len(cmds) and 'Traceback' not in r.stderr, r.stdout + r.stderr
     assert 'torch.jit.script' not in r.stderr, r.stderr   # fastai's import, torch's deprecation: nothing to act on
-    assert "argument --arch: Unknown arch 'resnet1': not a torchvision or timm classifier; did you mean 'resnet18'" in r.stderr
+    for cmd in cmds:
+        assert (f"clfast {cmd}: error: argument --arch: Unknown arch 'resnet1': not a torchvision or timm classifier; "
+                "did you mean 'resnet18'") in r.stderr, (cmd, r.stderr)
 
 def test_audit_models_names_a_misspelt_model_before_auditing():
     r = _run('audit-models', '--source', 'timm', '--models', 'resnet18d', 'efficentnet_b0', '--out', '/nonexistent/x')

@@ -209,9 +209,15 @@ def _cuda_ready(index:int) -> bool:
     return _loaded[key] is None
 
 # %% ../nbs/21_ops.ipynb #1c73f99f
+# Whether autocast knows a device type (`torch.is_autocast_enabled` raises for 'meta'), asked once a type: torch.compile
+# of torch 2.11 cannot trace the question, and broke each fused layer's graph there, after which it lost the conv's geometry
+_AUTOCAST_KNOWS = {d: torch.amp.is_autocast_available(d) for d in ('cpu', 'cuda', 'meta')}
+
 def autocast_on(dev:str) -> bool:
     "Autocast is on for device type `dev` (never for one autocast does not know, such as 'meta': a shape-only run)"
-    return torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev)
+    known = _AUTOCAST_KNOWS.get(dev)
+    if known is None: known = _AUTOCAST_KNOWS[dev] = torch.amp.is_autocast_available(dev)
+    return known and torch.is_autocast_enabled(dev)
 
 def no_autocast(dev:str):
     "A context switching autocast off for device type `dev` where it is on (clfast's op casts its inputs itself)"

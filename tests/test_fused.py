@@ -9,6 +9,7 @@ from clfast import timing
 from clfast.act import ACTS
 from clfast.fused import FusedConvBN2d, conv_bn_act
 from clfast.guard import guard_model
+from clfast.fuse import fuse_conv_bn
 from clfast import cpu_kernels, ops
 from clfast import fused as fused_mod
 from clfast.machine import MachineCache
@@ -262,6 +263,20 @@ def test_torch_compile_fullgraph(mode):
     torch.testing.assert_close(r.grad, r2.grad)
     torch.testing.assert_close(f.bn.running_var, g.bn.running_var)
     assert f.bn.num_batches_tracked == g.bn.num_batches_tracked == 1
+
+def test_torch_compile_fullgraph_where_autocast_availability_is_untraceable(monkeypatch):
+    """torch 2.11's torch.compile cannot trace `torch.amp.is_autocast_available` (2.14's can): each fused layer's graph
+    broke there, and the frame it resumed in had lost the conv's geometry (rebuilt as an empty namedtuple: an IndexError
+    in dynamo). A question dynamo must not trace stands in for 2.11's here: with autocast off and on, one graph"""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch.amp, 'is_autocast_available', torch.compiler.disable(torch.amp.is_autocast_available))
+    m = fuse_conv_bn(nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()))
+    x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
+    for amp in (False, True):
+        with torch.autocast('cpu', torch.bfloat16, enabled=amp):
+            got, want = torch.compile(m, fullgraph=True)(x), m(x)
+        assert got.dtype == want.dtype == (torch.bfloat16 if amp else torch.float32)
+        torch.testing.assert_close(got, want)
 
 @pytest.mark.parametrize('path', PATHS)
 def test_layer_is_one_op(path):

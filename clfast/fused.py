@@ -63,7 +63,7 @@ def _fused_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
     # and so does one whose input is too short for ATen's fast channels-last weight gradient (`short_input_plan`); a
     # GPU's convs have no route, and its layer step no Python for one
     r = route(call_plan(conv, x, w), x, w, geom.stride, residual) if dev == 'cpu' else None
-    if r is not None:   # (not `geom._replace`: torch 2.4's torch.compile does not trace it, a graph break a layer)
+    if r is not None:   # (not `geom._replace`: torch 2.4's torch.compile does not trace it: a graph break in each routed layer)
         x, w, residual, geom = r.x, r.weight, r.residual, ConvGeometry(r.stride, geom.padding, geom.dilation, geom.groups)
     with no_autocast(dev):
         out = _run_layer(x, w, b, bn.weight, bn.bias, *bn_state(bn), geom, residual, a, act_param, keep_y)

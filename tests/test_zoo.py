@@ -120,11 +120,18 @@ def check(name, mode):
     unfuse_conv_bn(unguard_model(m))
     assert [type(c) for c in m.modules()] == types and not is_fused(m)
 
+@pytest.fixture(scope='module')
+def zoo_cache(tmp_path_factory):
+    "The module's clfast cache: this machine's premises (the guard's probes) are measured once here, as on a user's machine"
+    return tmp_path_factory.mktemp('clfast-cache')
+
 @pytest.fixture
-def default_way(tmp_path, monkeypatch):
-    "The per-layer way users run ('timed'), timing every layer shape afresh: the timing is what crashed on MixedConv2d"
-    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
-    monkeypatch.setattr(fused_mod, '_ways', {}); monkeypatch.setattr(timing, '_here', {})
+def default_way(zoo_cache, monkeypatch):
+    """The per-layer way users run ('timed'), timing every layer shape afresh (the timing is what crashed on
+    MixedConv2d); the machine's premises, facts about its kernels and not about a layer, kept from the first model"""
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(zoo_cache))
+    timing.forget_timings('layer:'); timing.forget_timings('conv_backward:')
+    monkeypatch.setattr(fused_mod, '_ways', {})
     before = fused_mod.set_layer_way('timed')
     yield
     fused_mod.set_layer_way(before)

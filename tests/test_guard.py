@@ -361,6 +361,7 @@ def test_check_counts_refused_before_a_child_runs(cache_dir):
         with mock.patch.object(check.subprocess, 'Popen', side_effect=AssertionError("no child expected")):
             with pytest.raises(ValueError, match=msg): learn.check_channelslast(**kw)
 
+@pytest.mark.isa_neutral
 @pytest.mark.parametrize('failure,status', [('import os; os.abort()', 'crashed'), ('import time; time.sleep(600)', 'timeout')])
 def test_check_crash_or_hang_is_a_finding(cache_dir, monkeypatch, failure, status):
     "A child that dies or hangs on a geometry marks that geometry failing (and guarded), within the time bound"
@@ -386,6 +387,7 @@ for key, conv, hw, precision in cases:
     assert list(longer.status) == ['ok', status if status == 'crashed' else 'ok', 'ok']
     assert list(longer.cached) == [True, status == 'crashed', True]
 
+@pytest.mark.isa_neutral
 @pytest.mark.parametrize('failure,why', [('import no_such_module', r"died \(exit 1: ModuleNotFoundError"),
                                          ('import time; time.sleep(600)', 'did not start within 2 s')])
 def test_check_child_failing_before_any_conv_is_an_error(cache_dir, monkeypatch, failure, why):

@@ -214,6 +214,7 @@ def test_ref_env_serves_the_cpu_with_the_reference():
     p = subprocess.run([sys.executable, '-c', code], env=_env(CLFAST_KERNELS='ref'), capture_output=True, text=True)
     assert p.returncode == 0 and 'ops.py' in p.stdout and 'conv_bn_act.cpp' not in p.stdout, p.stdout + p.stderr
 
+@pytest.mark.isa_neutral
 def test_no_compiler_falls_back_with_one_warning(tmp_path):
     "Without a C++ compiler the fused layer still works, as its stock modules, after exactly one warning"
     code = textwrap.dedent(f"""
@@ -234,6 +235,7 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
                        TORCH_EXTENSIONS_DIR=str(tmp_path/'ext')), capture_output=True, text=True)
     assert p.returncode == 0 and 'OK' in p.stdout, p.stdout + p.stderr
 
+@pytest.mark.isa_neutral
 def test_second_process_reuses_cache():
     "A second process loads the cached library without rebuilding it"
     if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
@@ -423,6 +425,7 @@ def test_kernels_build_with_the_environments_ninja(monkeypatch, tmp_path):
     monkeypatch.setenv('PATH', str(tmp_path))   # a compiler, and no ninja on PATH: the environment's builds
     assert shutil.which('ninja') is None and cpu_kernels.missing_toolchain() is None
 
+@pytest.mark.isa_neutral
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for a CUDA toolkit without a GPU")
 def test_kernels_load_without_torchs_cuda_home_warning(tmp_path):
     """Loading the CPU kernels on a machine with a CUDA toolkit and no GPU says nothing about CUDA: importing torch's
@@ -434,6 +437,7 @@ def test_kernels_load_without_torchs_cuda_home_warning(tmp_path):
     ours = run('from clfast import ops; print(ops.kernels_ready())')
     assert ours.returncode == 0 and 'No CUDA runtime' not in ours.stderr, ours.stderr
 
+@pytest.mark.isa_neutral
 def test_setup_builds_no_kernels_unless_asked(tmp_path):
     """setup.py needs neither torch nor a compiler (the kernels build on first use); a wheel asked to build them in
     (CLFAST_BUILD_KERNELS) where it cannot stops with why, never a wheel silently without them"""
@@ -445,6 +449,7 @@ def test_setup_builds_no_kernels_unless_asked(tmp_path):
                            env=_env(CXX=str(tmp_path/'no-such-c++'), CLFAST_BUILD_KERNELS=which))
         assert p.returncode != 0 and says in p.stderr, p.stderr
 
+@pytest.mark.isa_neutral
 def test_clfast_build_seals_what_it_builds():
     "A library `clfast build` built loads without a rebuild (it is sealed as first use seals), and `built_levels` lists it"
     if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())

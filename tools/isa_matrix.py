@@ -18,11 +18,11 @@ sys.path.insert(0, str(ROOT))
 from clfast.machine import CPU_LEVELS, cpu_flags, host_isa   # noqa: E402
 
 # The numerics tests: the C++ kernels, the fused layer, the op and its backends, the guard, the precision policy, the
-# precise BatchNorm (its premise is measured per level). Not the Triton interpreter's (numpy, the same at every level)
-# nor the cuda-marked ones.
+# precise BatchNorm (its premise is measured per level). Not the Triton interpreter's (numpy, the same at every level),
+# nor the cuda-marked ones, nor those marked isa_neutral (child processes, packaging, messages: 45 s a level on Zen 3).
 TESTS = ['tests/test_cpu_backend.py', 'tests/test_fused.py', 'tests/test_ops.py', 'tests/test_guard.py',
          'tests/test_precision.py', 'tests/test_bn.py']
-DESELECT = 'not triton'
+DESELECT = ['-k', 'not triton', '-m', 'not isa_neutral']
 
 # A CPU kind: clfast's level, ATen's capability, oneDNN's ISA cap, what oneDNN then says it runs (its verbose "isa:"
 # line), and the features a CPU of this level needs beyond the level to run this kind below its own.
@@ -70,7 +70,7 @@ def run_kind(k:dict, env:dict) -> tuple[bool, str]:
     if probe.returncode != 0 or want not in probe.stdout or not isa or k['says'] not in isa.group(1):
         return False, (f"the caps did not take effect: want '{want}' and oneDNN's ISA '{k['says']}', got "
                        f"{probe.stdout[-2000:]}{probe.stderr[-2000:]}")
-    p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-k', DESELECT, *TESTS],
+    p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *DESELECT, *TESTS],
                        env=env, capture_output=True, text=True, cwd=ROOT)
     lines = p.stdout.strip().splitlines()
     if p.returncode == 0: return True, f"oneDNN: {isa.group(1)}; {lines[-1] if lines else ''}"

@@ -7,7 +7,7 @@
 // accumulates in fp64. Per-channel arrays are in opmath (float; double for double tensors).
 // The kernels make no tensor-op calls (no dispatcher round trips): conv_bn_act.cpp runs a whole layer around them.
 // Each loop is instantiated per dtype, activation, mask kind and residual (the switches sit outside the loops).
-// This file: the statistics and normalize; the backward is bn_act_backward.cpp, their shared helpers bn_act_rows.h.
+// This file: the statistics and normalize; the backward is bn_act_backward.h's, their shared helpers bn_act_rows.h's.
 #include "bn_act_rows.h"  // first: it includes act.h, whose simd.h picks the CPU capability of ATen's vec headers
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>

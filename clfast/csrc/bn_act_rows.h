@@ -1,6 +1,6 @@
-// What both halves of the BN+act kernels share (bn_act.cpp: statistics and normalize; bn_act_backward.cpp: the
-// backward, the bulk of the instances, in a file of its own so that the two compile on two cores side by side): the
-// row partitions, the blocked column sums and the argument check. Included by those two files only.
+// What both halves of the BN+act kernels share (bn_act.cpp: statistics and normalize; bn_act_backward.h: the
+// backward, the bulk of the template instances, made in files of their own so that they compile side by side): the
+// row partitions, the blocked column sums and the argument check. Included by those only.
 #pragma once
 #include "act.h"  // first: simd.h picks the CPU capability of ATen's vec headers
 #include <ATen/core/Tensor.h>

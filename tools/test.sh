@@ -20,8 +20,8 @@ pip_install() { local venv=$1; shift; "$venv/bin/python" -m pip install -q "$@" 
 [ -x .venv/bin/python ] || $PY -m venv .venv
 pip_install .venv torch==2.14.1 torchvision==0.29.1
 pip_install .venv -e ".[dev]"
-# the smoke venv's install (downloading and unpacking, about one core) runs beside what follows up to the smoke run
-# (the nbdev tools' install, the kernel build, whose longest file leaves a core idle); its output is shown then
+# the smoke venv's install (downloading and unpacking, about one core; 226-289 s on Zen 3) runs beside what follows up
+# to the smoke run (the nbdev tools' install, the kernel build, the ISA matrix); its output is shown then
 if [ "${CLFAST_SMOKE:-1}" = 1 ]; then
   smoke_log=$(mktemp)
   bash tools/smoke_torch.sh install >"$smoke_log" 2>&1 &
@@ -56,12 +56,14 @@ fi
 echo "nbdev sync: notebooks, clfast/ and README.md are in sync"
 # clfast's C++ kernels for every level this CPU runs: its own for the suite, the lower ones for the ISA matrix
 .venv/bin/clfast build --levels all
-# before the suite, whose summary line must end the output: the lowest admitted torch, then the levels below this CPU's
+# before the suite, whose summary line must end the output: the levels below this CPU's, then the lowest admitted
+# torch (after the ISA matrix, so that its install is done by then: before it, the smoke run waited for it where
+# the kernels had been built already, as after the README's first command)
+if [ "${CLFAST_ISA_MATRIX:-1}" = 1 ]; then .venv/bin/python tools/isa_matrix.py; fi
 if [ "${CLFAST_SMOKE:-1}" = 1 ]; then
   wait $smoke_install || { cat "$smoke_log"; echo "FAIL: the smoke venv's install"; exit 1; }
   cat "$smoke_log"; rm -f "$smoke_log"
   bash tools/smoke_torch.sh run
 fi
-if [ "${CLFAST_ISA_MATRIX:-1}" = 1 ]; then .venv/bin/python tools/isa_matrix.py; fi
 .venv/bin/python -m pytest -q "$@" && rc=0 || rc=$?
 exit $rc

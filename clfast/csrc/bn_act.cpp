@@ -16,11 +16,6 @@
 
 using at::Tensor;
 namespace act = clfast_cpu::act;
-using clfast_cpu::simd::IO;
-// a*b + c written as one fused multiply-add: the compiler may contract a*b + c into one or not, differently in each
-// template instance, and z must round the same in forward and backward (a derivative read from out = act(z) is
-// exactly the recomputed one)
-using at::vec::fmadd;
 using namespace clfast_cpu::rows;
 
 namespace {

@@ -12,15 +12,6 @@
 #include <type_traits>
 
 namespace clfast_cpu::bwd {
-using at::Tensor;
-using clfast_cpu::BwdArgs;
-using clfast_cpu::Mask;
-namespace act = clfast_cpu::act;
-using clfast_cpu::simd::IO;
-// a*b + c written as one fused multiply-add: the compiler may contract a*b + c into one or not, differently in each
-// template instance (and translation unit), and z must round the same in forward and backward (a derivative read from
-// out = act(z) is exactly the recomputed one)
-using at::vec::fmadd;
 using namespace clfast_cpu::rows;
 
 // The gradient dz at the vector step starting at element j of a row, `n` elements left in the row (`dzv`), the mask

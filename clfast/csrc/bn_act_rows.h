@@ -11,6 +11,11 @@
 
 namespace clfast_cpu::rows {
 using at::Tensor;
+// a*b + c written as one fused multiply-add: the compiler may contract a*b + c into one or not, differently in each
+// template instance and file, and z must round the same in forward and backward (a derivative read from out = act(z)
+// is exactly the recomputed one)
+using at::vec::fmadd;
+using clfast_cpu::simd::IO;
 
 constexpr int64_t kBlockRows = 64;      // rows summed in opmath before spilling into the fp64 totals
 constexpr int64_t kMaxChunks = 256;     // fixed row partition: results do not depend on the thread count

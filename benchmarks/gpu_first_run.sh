@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The one GPU script (BENCHMARKS.md, "The first GPU run"), inside one device call of 10 minutes: the C++ library build
-# (fused modules load it when they are made, for CPU models; CUDA's eager step no longer goes through it; done first so
-# that no test pays for it), the CUDA tests (the Triton kernels and CUDA graphs against fp64, the offline compile report
+# The one GPU script (BENCHMARKS.md, "The first GPU run"), inside one device call of 10 minutes: the C++ library (fused
+# modules load it when they are made, for CPU models; CUDA's eager step no longer goes through it; first, so that no
+# test pays for it: the one tools/gpu_wheels.sh built here for this torch where it loads, else built here), the CUDA tests (the Triton kernels and CUDA graphs against fp64, the offline compile report
 # against the GPU's own JIT; each failure's traceback kept), then training through fastai's own `Learner.fit`
 # (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64, bf16 and fp16, every setup issue 34
 # names, in rounds; the table last), then, if time is left, a fused layer step's host time against stock's
@@ -9,8 +9,8 @@
 #
 #   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build tests fit host kernels (default: all, in that order)
 #
-# BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests. fastai travels as wheels in .whl/
-# (tools/gpu_wheels.sh), installed here into /tmp/site when fastai is missing. Each step is logged in OUT/ whatever the
+# BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests. fastai travels as wheels in .whl/, the kernels
+# in .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each step is logged in OUT/ whatever the
 # one before did; the exit status is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,8 @@ fi
 FIRST="tests/test_fused.py::test_a_capture_takes_the_way_the_eager_steps_took \
 tests/test_fused.py::test_a_graphs_steps_choose_their_layers_by_the_gpus_time \
 tests/test_ops.py::test_compiled_launches_are_tritons_cuda"
-failed=0
+failed=0 carried=()
+trap 'rm -f "${carried[@]}"' EXIT
 left() { echo $((BUDGET - SECONDS)); }
 step() {   # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -44,7 +45,15 @@ step env 60 "$PY" -c "import torch, triton, fastai; print('torch', torch.__versi
 torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
 for s in $STEPS; do
   case $s in
-    build) step build 150 "$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))" ;;
+    build)
+      # the kernels built for this torch elsewhere (tools/gpu_wheels.sh), into the package where `load` looks first,
+      # if they load here (else they go, and the build compiles); taken out again when this script ends
+      for f in .whl/kernels/_kernels_*.so; do [ -e "$f" ] && cp "$f" clfast/ && carried+=("clfast/${f##*/}"); done
+      if [ ${#carried[@]} -gt 0 ] && ! "$PY" -c "import torch; from clfast import cpu_kernels as c
+p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); print('carried kernels:', p.name)"; then
+        echo "the carried kernels do not load here: compiled instead"; rm -f "${carried[@]}"; carried=()
+      fi
+      step build 150 "$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))" ;;
     # the CUDA tests in two steps: first those that never ran on a GPU or answer the open questions (CUDA graphs, the
     # clocks, the launch counts, the offline compile, the compiled launches), then the rest in what time is left
     tests)

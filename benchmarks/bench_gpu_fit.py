@@ -31,6 +31,7 @@ from fastai.torch_core import TensorImage, TensorCategory
 import fastai.callback.fp16 as fastai_fp16
 import fastai.callback.channelslast as fastai_cl
 from clfast.all import *   # clfast's Learner.to_channelslast; the stock rows use fastai's own callbacks directly
+from clfast.gpu_report import counting_compiles
 
 # what each setup does to a fresh Learner (dtype: 'bf16' or 'fp16')
 def _stock_amp(learn, dtype, channels_last=False, fastai_callback=False):
@@ -255,18 +256,20 @@ def main(argv=None):
         print(f"\n## fastai Learner.fit, {args.px} px, {args.steps} timed steps after {args.warm}, median of {args.rounds} "
               f"rounds ({time.perf_counter() - start:.0f} s in all)\n")
         print(table(groups, results), flush=True)
+        if compiles is not None: print(f"\n{compiles} (this process: clfast's kernels, not inductor's workers)", flush=True)
     def interrupt(*_): raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupt)   # stopped by `timeout` (SIGINT or SIGTERM): the table of what ran, still
     stopped = False
-    try:
-        for i, (m, bs, dt, setups) in enumerate(groups):
-            left = args.budget - (time.perf_counter() - start)
-            if left < 20 + 60 * len(COMPILED & set(setups)): continue   # a compile takes about a minute; a group less
-            group = Group(m, bs, dt, setups, args, bases)
-            try: left_gib = group.run(lambda line: print(line, flush=True))
-            finally: results[i] = group.results()
-            print(f"{m} {bs} {dt}: {left_gib:.2f} GiB still allocated after the group", flush=True)
-    except KeyboardInterrupt: stopped = True
+    with counting_compiles() as compiles:   # what Triton's compiles cost the fits (in their first steps' time)
+        try:
+            for i, (m, bs, dt, setups) in enumerate(groups):
+                left = args.budget - (time.perf_counter() - start)
+                if left < 20 + 60 * len(COMPILED & set(setups)): continue   # a compile takes about a minute; a group less
+                group = Group(m, bs, dt, setups, args, bases)
+                try: left_gib = group.run(lambda line: print(line, flush=True))
+                finally: results[i] = group.results()
+                print(f"{m} {bs} {dt}: {left_gib:.2f} GiB still allocated after the group", flush=True)
+        except KeyboardInterrupt: stopped = True
     report()
     if stopped: sys.exit(124)
 

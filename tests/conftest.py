@@ -1,4 +1,4 @@
-import os, random, numpy as np, pytest, torch
+import contextlib, os, random, numpy as np, pytest, torch
 from hypothesis import settings, HealthCheck
 
 # Property tests must say the same thing on every run: 'ci' (the default) is derandomized, so a failure reproduces
@@ -9,6 +9,19 @@ settings.register_profile('ci', derandomize=True, max_examples=80, deadline=None
 settings.register_profile('dev', max_examples=1000, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get('HYPOTHESIS_PROFILE', 'ci'))
+
+class _TritonCompiles:
+    "On a GPU: what Triton's compiler cost the run (the GPU script's lease pays for it), said with pytest's summary"
+    def __init__(self): self.stack, self.count = contextlib.ExitStack(), None
+    def pytest_sessionstart(self, session):
+        from clfast.gpu_report import counting_compiles
+        self.count = self.stack.enter_context(counting_compiles())
+    def pytest_terminal_summary(self, terminalreporter):
+        self.stack.close()
+        if self.count is not None: terminalreporter.write_line(str(self.count))
+
+def pytest_configure(config):
+    if torch.cuda.is_available(): config.pluginmanager.register(_TritonCompiles(), 'clfast-triton-compiles')
 
 def pytest_collection_modifyitems(config, items):
     "Skip `cuda`-marked tests on machines without a CUDA GPU"

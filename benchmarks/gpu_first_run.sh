@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one GPU script (BENCHMARKS.md, "The first GPU run"), inside one device call of 10 minutes: the C++ library (fused
 # modules load it when they are made, for CPU models; CUDA's eager step no longer goes through it; first, so that no
-# test pays for it: the one tools/gpu_wheels.sh built here for this torch where it loads, else built here), the CUDA tests (the Triton kernels and CUDA graphs against fp64, the offline compile report
-# against the GPU's own JIT; each failure's traceback kept), then training through fastai's own `Learner.fit`
+# test pays for it: the one tools/gpu_wheels.sh built for this torch where it loads, else compiled here), the CUDA
+# tests (the Triton kernels and CUDA graphs against fp64, the offline compile report against the GPU's own JIT; each
+# failure's traceback kept; Triton's compiles counted), then training through fastai's own `Learner.fit`
 # (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64, bf16 and fp16, every setup issue 34
 # names, in rounds; the table last), then, if time is left, a fused layer step's host time against stock's
 # (`python -m clfast.host_cost --device cuda`, Triton's launches included) and the kernel benchmarks.
@@ -10,8 +11,8 @@
 #   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build tests fit host kernels (default: all, in that order)
 #
 # BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests. fastai travels as wheels in .whl/, the kernels
-# in .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each step is logged in OUT/ whatever the
-# one before did; the exit status is the number of failed steps.
+# in .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each
+# step is logged in OUT/ whatever the one before did; the exit status is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -196,7 +196,7 @@ def specializations(launches, cc:int) -> list[Spec]:
     firsts = {_launch_key(l): l for l in reversed(launches)}
     return list(dict.fromkeys(specialize(l, cc) for l in reversed(firsts.values())))
 
-# %% ../nbs/27_gpu_report.ipynb #9872dee6
+# %% ../nbs/27_gpu_report.ipynb #9463b27d
 _TILE_OP = re.compile(r'\btt\.(load|store) .*: tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>>')
 _SIZE = {'f64': 8, 'f32': 4, 'bf16': 2, 'f16': 2, 'i64': 8, 'i32': 4, 'i16': 2, 'i8': 1, 'i1': 1}
 
@@ -254,6 +254,7 @@ class Compiled:
     num_warps: int
     loads: int                   # bytes of the [BLOCK_M, BLOCK_C] tiles a program loads per step
     stores: int
+    key: str = ''                # Triton's cache key of the compile: the JIT's, for the same specialization on the GPU
 
     @property
     def gpu(self) -> GPU: return GPUS[self.spec.cc]
@@ -300,7 +301,7 @@ def compile_spec(spec:Spec) -> Compiled:
     tiles = [(op, int(m) * int(n) * _SIZE[t]) for line in k.asm['ttir'].splitlines() if 'isVolatile = true' not in line
              for op, m, n, t in _TILE_OP.findall(line)]
     return Compiled(spec, use['REG'], k.metadata.shared, use['STACK'], use['LOCAL'], k.metadata.num_warps,
-                    sum(b for op, b in tiles if op == 'load'), sum(b for op, b in tiles if op == 'store'))
+                    sum(b for op, b in tiles if op == 'load'), sum(b for op, b in tiles if op == 'store'), k.hash)
 
 @functools.cache
 def serves(cc:int) -> bool:

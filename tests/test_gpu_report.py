@@ -104,7 +104,9 @@ def test_occupancy():
 @pytest.mark.cuda
 @pytest.mark.usefixtures('fused_way')   # the fused op's launches, not the stock way's nor the per-layer timing's
 def test_offline_compile_matches_the_gpu():
-    "On a GPU, the registers the JIT's kernels get are those the offline compile reports (same Triton, same ptxas)"
+    """On a GPU, the JIT's kernels are the offline compile's: the same cache key (so the report is about what runs, and
+    the offline compile, run there first, would fill the JIT's cache) and the registers it reports (same Triton, same
+    ptxas)"""
     major, minor = torch.cuda.get_device_capability()
     cc = 10 * major + minor
     if cc not in gr.GPUS: pytest.skip(f"no figures for sm_{cc}")
@@ -121,3 +123,4 @@ def test_offline_compile_matches_the_gpu():
         k._init_handles()
         c = gr.compile_spec(gr.specialize(l, cc))
         assert (k.n_regs, k.n_spills) == (c.regs, 0), l.name
+        assert k.hash == c.key, (l.name, gr.specialize(l, cc).describe())

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The one GPU script (BENCHMARKS.md, "The first GPU run"), inside one device call of 10 minutes: the C++ library (fused
 # modules load it when they are made, for CPU models; CUDA's eager step no longer goes through it; first, so that no
-# test pays for it: the one tools/gpu_wheels.sh built for this torch where it loads, else compiled here), the CUDA
-# tests (the Triton kernels and CUDA graphs against fp64, the offline compile report against the GPU's own JIT; each
-# failure's traceback kept; Triton's compiles counted), then training through fastai's own `Learner.fit`
-# (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64, bf16 and fp16, every setup issue 34
-# names, in rounds; the table last), then, if time is left, a fused layer step's host time against stock's
+# test pays for it: the one tools/gpu_wheels.sh built for this torch where it loads, else compiled here), Triton's
+# cache filled with the kernels' specializations for this GPU in one process per core (`python -m clfast.gpu_report
+# --warm-only CC`: about 25 s; it serves the launches where their cache keys are the offline compile's, which a CUDA
+# test checks, and the tests' and the fit's compile counts show), the CUDA tests (the Triton kernels and CUDA graphs
+# against fp64, the offline compile report against the GPU's own JIT; each failure's traceback kept), then training
+# through fastai's own `Learner.fit` (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64,
+# bf16 and fp16, every setup issue 34 names, in rounds; the table last), then, if time is left, a fused layer step's host time against stock's
 # (`python -m clfast.host_cost --device cuda`, Triton's launches included) and the kernel benchmarks.
 #
-#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build tests fit host kernels (default: all, in that order)
+#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests fit host kernels (default: all, in order)
 #
 # BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests. fastai travels as wheels in .whl/, the kernels
 # in .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each
@@ -17,7 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${1:-gpu_first_run}; shift || true
-STEPS=${*:-build tests fit host kernels}
+STEPS=${*:-build warm tests fit host kernels}
 BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -55,6 +57,10 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
         echo "the carried kernels do not load here: compiled instead"; rm -f "${carried[@]}"; carried=()
       fi
       step build 150 "$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))" ;;
+    warm)
+      if cc=$("$PY" -c "import torch; print('%d%d' % torch.cuda.get_device_capability())" 2>/dev/null); then
+        step warm 90 "$PY" -m clfast.gpu_report --warm-only "$cc" --processes "$(nproc)"
+      else echo "== warm: not run (no CUDA GPU here)"; fi ;;
     # the CUDA tests in two steps: first those that never ran on a GPU or answer the open questions (CUDA graphs, the
     # clocks, the launch counts, the offline compile, the compiled launches), then the rest in what time is left
     tests)
@@ -71,7 +77,7 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
     # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes
     host) [ "$(left)" -gt 60 ] && step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50 ;;
     kernels) [ "$(left)" -gt 60 ] && step kernels "$(( $(left) - 5 ))" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
-    *) echo "unknown step $s (build, tests, fit, host, kernels)"; failed=$((failed + 1)) ;;
+    *) echo "unknown step $s (build, warm, tests, fit, host, kernels)"; failed=$((failed + 1)) ;;
   esac
 done
 echo "== $failed step(s) failed in ${SECONDS}s; logs in $OUT/"

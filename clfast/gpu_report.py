@@ -562,7 +562,7 @@ def write_sections(secs:dict[str, str], path:Path=KERNELS_MD):
         if n != 1: raise ValueError(f"{path} has no <!-- gpu_report:{name} --> section")
     path.write_text(text)
 
-# %% ../nbs/27_gpu_report.ipynb #eb10c953
+# %% ../nbs/27_gpu_report.ipynb #cb3fb28b
 def main(argv=None):
     "`python -m clfast.gpu_report [--write] [--json PATH]`: compile the plan, print or write the report"
     ap = argparse.ArgumentParser(prog='python -m clfast.gpu_report', description=__doc__)
@@ -570,9 +570,21 @@ def main(argv=None):
     ap.add_argument('--json', help="write every compiled specialization's figures, the errors and the sections here")
     ap.add_argument('--processes', type=int, default=num_cpus(),
                     help="compile in this many processes (default: one per CPU this process may run on)")
+    ap.add_argument('--warm-only', type=int, nargs='+', metavar='CC', help="only fill Triton's on-disk cache with the "
+                    "plan's specializations for these compute capabilities (e.g. 90), no report: on a GPU machine, "
+                    "before its first launches, so that they find their kernels compiled where the keys agree")
     a = ap.parse_args(argv)
     if a.processes < 1: ap.error(f"--processes {a.processes}: give 1 or more")
+    if a.warm_only and (bad := sorted(set(a.warm_only) - set(GPUS))):
+        ap.error(f"--warm-only {' '.join(map(str, bad))}: give compute capabilities among {', '.join(map(str, GPUS))}")
     plan = launch_plan()
+    if a.warm_only:
+        archs = tuple(a.warm_only)
+        if a.processes > 1: warm_compile(plan, archs, a.processes)
+        else: _compile_shard(archs, 0, 1, plan)
+        print(f"clfast.gpu_report: the plan's {len(plan_specs(plan, archs))} specializations compiled for "
+              f"{', '.join(f'sm_{cc}' for cc in archs)} into Triton's cache")
+        return 0
     warm_compile(plan, report_archs(), a.processes)
     rep = compile_report(plan)
     secs = sections(rep)

@@ -7,8 +7,9 @@
 # test checks, and the tests' and the fit's compile counts show), the CUDA tests (the Triton kernels and CUDA graphs
 # against fp64, the offline compile report against the GPU's own JIT; each failure's traceback kept), then training
 # through fastai's own `Learner.fit` (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64,
-# bf16 and fp16, every setup issue 34 names, in rounds; the table last), then, if time is left, a fused layer step's host time against stock's
-# (`python -m clfast.host_cost --device cuda`, Triton's launches included) and the kernel benchmarks.
+# bf16 and fp16, every setup issue 34 names, in rounds; the table last), then, if time is left, a fused layer step's
+# host time against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included) and the kernel
+# benchmarks.
 #
 #   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests fit host kernels (default: all, in order)
 #

@@ -17,7 +17,8 @@ class _TritonCompiles:
     def pytest_sessionstart(self, session):
         try:
             from clfast.gpu_report import counting_compiles
-            self.count = self.stack.enter_context(counting_compiles()) or "Triton's compiles not counted: no listener in this Triton"
+            self.count = (self.stack.enter_context(counting_compiles())
+                          or "Triton's compiles not counted: this Triton has no compilation listener")
         except Exception as e: self.count = f"Triton's compiles not counted: {type(e).__name__}: {e}"
     def pytest_terminal_summary(self, terminalreporter):
         self.stack.close()

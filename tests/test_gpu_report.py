@@ -32,7 +32,7 @@ def test_processes_must_be_one_or_more(capsys):
     assert '--processes 0: give 1 or more' in capsys.readouterr().err
 
 def test_warm_only_takes_the_gpus_it_knows(capsys):
-    "`--warm-only` (the GPU script fills Triton's cache with it) refuses a compute capability with no figures, before any compile"
+    "`--warm-only` (the GPU script fills Triton's cache with it) refuses a GPU with no figures, before any compile"
     with pytest.raises(SystemExit): gr.main(['--warm-only', '90', '75'])
     assert '--warm-only 75: give compute capabilities among 80, 90, 100' in capsys.readouterr().err
 

@@ -196,7 +196,7 @@ def specializations(launches, cc:int) -> list[Spec]:
     firsts = {_launch_key(l): l for l in reversed(launches)}
     return list(dict.fromkeys(specialize(l, cc) for l in reversed(firsts.values())))
 
-# %% ../nbs/27_gpu_report.ipynb #9463b27d
+# %% ../nbs/27_gpu_report.ipynb #eb5f1374
 _TILE_OP = re.compile(r'\btt\.(load|store) .*: tensor<(\d+)x(\d+)x!tt\.ptr<(\w+)>>')
 _SIZE = {'f64': 8, 'f32': 4, 'bf16': 2, 'f16': 2, 'i64': 8, 'i32': 4, 'i16': 2, 'i8': 1, 'i1': 1}
 
@@ -254,7 +254,7 @@ class Compiled:
     num_warps: int
     loads: int                   # bytes of the [BLOCK_M, BLOCK_C] tiles a program loads per step
     stores: int
-    key: str = ''                # Triton's cache key of the compile: the JIT's, for the same specialization on the GPU
+    key: str                     # Triton's cache key of the compile: the JIT's, for the same specialization on the GPU
 
     @property
     def gpu(self) -> GPU: return GPUS[self.spec.cc]
@@ -344,7 +344,7 @@ def counting_compiles():
     try: yield count
     finally: knobs.compilation.listener = before
 
-# %% ../nbs/27_gpu_report.ipynb #f922d574
+# %% ../nbs/27_gpu_report.ipynb #f2271488
 FULL_ARCHS, MODEL_ARCHS = (80, 90), (100,)
 
 @dataclass
@@ -383,7 +383,7 @@ def warm_compile(plan:dict[str, list[Launch]], archs, processes:int):
     for `archs` in `processes` processes, this one among them, so that `compile_report` finds them compiled:
     ~1100 compiles that take about 11 minutes in one process on a 2-core AVX2 EPYC with Triton's on-disk cache empty.
     The others fill that cache; what this one compiled stays in `compile_spec`'s memory."""
-    if processes < 2: return
+    if processes < 2: return _compile_shard(archs, 0, 1, plan)
     ctx = multiprocessing.get_context('spawn')   # a fresh interpreter: a fork would copy this one's compiler threads
     with ProcessPoolExecutor(processes - 1, mp_context=ctx) as pool:
         others = [pool.submit(_compile_shard, archs, i, processes) for i in range(1, processes)]
@@ -562,7 +562,7 @@ def write_sections(secs:dict[str, str], path:Path=KERNELS_MD):
         if n != 1: raise ValueError(f"{path} has no <!-- gpu_report:{name} --> section")
     path.write_text(text)
 
-# %% ../nbs/27_gpu_report.ipynb #cb3fb28b
+# %% ../nbs/27_gpu_report.ipynb #ea370e39
 def main(argv=None):
     "`python -m clfast.gpu_report [--write] [--json PATH]`: compile the plan, print or write the report"
     ap = argparse.ArgumentParser(prog='python -m clfast.gpu_report', description=__doc__)
@@ -580,8 +580,7 @@ def main(argv=None):
     plan = launch_plan()
     if a.warm_only:
         archs = tuple(a.warm_only)
-        if a.processes > 1: warm_compile(plan, archs, a.processes)
-        else: _compile_shard(archs, 0, 1, plan)
+        warm_compile(plan, archs, a.processes)
         print(f"clfast.gpu_report: the plan's {len(plan_specs(plan, archs))} specializations compiled for "
               f"{', '.join(f'sm_{cc}' for cc in archs)} into Triton's cache")
         return 0

@@ -27,16 +27,20 @@ if [ "${CLFAST_SMOKE:-1}" = 1 ]; then
   bash tools/smoke_torch.sh install >"$smoke_log" 2>&1 &
   smoke_install=$!
 fi
-# the CUDA kernels' offline compile (tests/test_gpu_report.py's report: about 1100 compiles, minutes with an empty
-# Triton cache) warms Triton's cache in the background at the lowest priority, on what the cores leave idle from here
-# to its tests (pip's installs, the kernel build's longest file and most tests keep one core busy, not two); stopped
-# when this script ends. In a session of its own (one process group to stop), whose scheduler group is niced too:
-# the kernel weighs each session's group alike, so a plain nice in a new session took half the CPU (the kernel
-# build 126 -> 357 s)
+# the CUDA kernels' offline compile report (tests/test_gpu_report.py's: about 1100 compiles, minutes with an empty
+# Triton cache) runs in the background at the lowest priority, on what the cores leave idle from here to its tests
+# (pip's installs, the kernel build's longest file and most tests keep one core busy, not two), holding a lock while
+# it runs; its tests, ordered last (tests/conftest.py), take its report once the lock is free
+# (CLFAST_TEST_GPU_REPORT). Stopped when this script ends. In a session of its own (one process group to stop), whose
+# scheduler group is niced too: the kernel weighs each session's group alike, so a plain nice in a new session took
+# half the CPU (the kernel build 126 -> 357 s)
+gpu_report_dir=$(mktemp -d)
+export CLFAST_TEST_GPU_REPORT=$gpu_report_dir/report.json
 setsid sh -c 'echo 19 > /proc/self/autogroup 2>/dev/null
-  exec nice -n 19 env -u TRITON_INTERPRET -u CLFAST_KERNELS .venv/bin/python -m clfast.gpu_report' >/dev/null 2>&1 &
-warm_triton=$!
-trap 'kill -- -$warm_triton 2>/dev/null || true' EXIT   # done or not, at this script's end (or failure)
+  exec nice -n 19 flock "$1.lock" env -u TRITON_INTERPRET -u CLFAST_KERNELS .venv/bin/python -m clfast.gpu_report --json "$1"' \
+  sh "$CLFAST_TEST_GPU_REPORT" >/dev/null 2>&1 &
+gpu_report=$!
+trap 'kill -- -$gpu_report 2>/dev/null || true; rm -rf "$gpu_report_dir"' EXIT   # done or not, at this script's end (or failure)
 # nbdev v2 (settings.ini) needs fastcore 1.x while fastai needs fastcore 2, so the nbdev tools live in their own venv
 [ -x .venv-nbdev/bin/python ] || $PY -m venv .venv-nbdev
 pip_install .venv-nbdev -r tools/nbdev-tools.txt

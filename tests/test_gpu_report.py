@@ -98,6 +98,23 @@ def test_traffic_model():
         assert gr._sum(fused) == 12 * 2 and gr._sum(gr.stock_passes('relu', True, 2)) == 16 * 2
         assert sum(p.conv for p in fused) == (1 if mode == 'speed' else 2)   # 'memory' recomputes y
 
+def test_further_fusion():
+    """The prediction of item 5's further fusions counts the same bytes as the model's table ('now'), each fusion
+    takes bytes away, and the prologue takes only the layers whose output is one conv's input: in ResNet-50 the first
+    two convs of each bottleneck; in EfficientNet-B0 no depthwise conv (a squeeze-excite uses its output)"""
+    for arch in gr.MODELS:
+        f = gr.further_fusion(arch)
+        assert f['bytes']['now'] == pytest.approx(gr.model_traffic(arch)['fused_bytes'], rel=1e-9), arch
+        assert f['bytes']['stock'] > f['bytes']['now'] > f['bytes']['epilogue'] > f['bytes']['prologue'], arch
+    rn = gr.fused_layers('resnet50')
+    assert {l.name for l in rn if l.feeds_conv} == {f"layer{i}.{b}.conv{k}" for i, n in enumerate((3, 4, 6, 3), 1)
+                                                    for b in range(n) for k in (1, 2)}
+    eff = gr.fused_layers('efficientnet_b0')
+    dw = {l.name for l in eff if l.name.endswith('block.1.0') or l.name == 'features.1.0.block.0.0'}   # the depthwise convs
+    assert len(dw) == 16 and not any(l.feeds_conv for l in eff if l.name in dw)
+    # no residual fused: torchvision's MBConv adds after its stochastic depth
+    assert {l.act for l in eff} == {'silu', 'none'} and not any(l.residual for l in eff)
+
 def test_occupancy():
     "CUDA's occupancy calculator's rules (`cuda_occupancy.h`), on figures worked by hand"
     h100, a100 = gr.GPUS[90], gr.GPUS[80]

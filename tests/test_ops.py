@@ -249,14 +249,40 @@ def test_second_process_reuses_cache():
     assert p.stdout.strip().splitlines()[-1] == str(lib)
     assert lib.stat().st_mtime_ns == before
 
-def test_triton_interpreted():
-    "The CUDA (Triton) kernels' numerics, interpreted on the CPU in a fresh process"
+@pytest.fixture(scope='module')
+def interpreted(tmp_path_factory):
+    """The Triton interpreter's three runs, each a fresh pytest process (`run(name)`: its exit status and output): the
+    kernels ('kernels'), the CUDA code path with no C++ library ('none') and over it ('cpp'; see
+    `test_triton_interpreted_layer`). All three start at the first test that asks: the interpreter is numpy on one
+    core, so on two cores they take about the longest one's time, not the sum (40 s against 80 on Zen 3)"""
     pytest.importorskip('triton')
-    p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-x',
-                        str(ROOT/'tests'/'_triton_interp_kernels.py')],
-                       env=_env(TRITON_INTERPRET='1'), capture_output=True, text=True, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
-    assert ' passed' in p.stdout and 'skipped' not in p.stdout
+    tmp, runs = tmp_path_factory.mktemp('interpreted'), {}
+    def start(name, test_file, select=(), **env):
+        log = tmp/f'{name}.log'
+        with open(log, 'w') as out:   # a file, not a pipe: three children writing at once never block on a full pipe
+            runs[name] = log, subprocess.Popen([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *select,
+                                                str(ROOT/'tests'/test_file)], env=_env(TRITON_INTERPRET='1', **env),
+                                               stdout=out, stderr=subprocess.STDOUT, cwd=tmp)
+    start('kernels', '_triton_interp_kernels.py', ['-x'])
+    # a copy of clfast with no C++ library built and no compiler to build one, as on a GPU machine without a C++ toolchain
+    shutil.copytree(ROOT/'clfast', tmp/'none'/'clfast', ignore=shutil.ignore_patterns('*.so', '__pycache__'))
+    start('none', '_triton_interp_layer.py', CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP='none',
+          PYTHONPATH=f"{tmp/'none'}{os.pathsep}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+          CXX=str(tmp/'no-compiler'), TORCH_EXTENSIONS_DIR=str(tmp/'extensions'))
+    start('cpp', '_triton_interp_layer.py', ['-k', 'not (test_layer or resnet_step or efficientnet_step)'],
+          CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP='cpp')
+    def run(name) -> tuple[int, str]:
+        log, p = runs[name]
+        return p.wait(), log.read_text()
+    yield run
+    for _, p in runs.values():
+        if p.poll() is None: p.kill(); p.wait()   # a run no selected test asked for
+
+def test_triton_interpreted(interpreted):
+    "The CUDA (Triton) kernels' numerics, interpreted on the CPU in a fresh process"
+    code, out = interpreted('kernels')
+    assert code == 0, out[-8000:]
+    assert ' passed' in out and 'skipped' not in out
 
 def _layer_step(op, dt, training, res, act, keep_y, conv, momentum, stats, count=None):
     """One forward + backward of the layer op `op` on seeded inputs: the output, every gradient, the running statistics
@@ -305,25 +331,16 @@ def test_an_old_gpu_runs_stock_and_says_so_once(monkeypatch):
         assert not ops.kernels_ready(torch.device('cuda', 0))   # said once
 
 @pytest.mark.parametrize('library', ['cpp', 'none'])
-def test_triton_interpreted_layer(library, tmp_path):
+def test_triton_interpreted_layer(library, interpreted):
     """The CUDA code path end to end on the CPU: the fused layer (every activation, residual, both modes) and a training
     step of a fused ResNet and EfficientNet through the op's Triton backend, interpreted, against stock. `library`
     'none': a copy of clfast with no C++ library built and no compiler to build one, as on a GPU machine without a C++
     toolchain: the layer op is then its Python twin. Untraced, Triton's layer op is that twin calling the kernels as
     functions whether the library loaded or not (`test_cpu_kernels_are_tritons` checks it in both), so the layers' and
     the models' steps, the same code, run once: in 'none'"""
-    pytest.importorskip('triton')
-    env = _env(TRITON_INTERPRET='1', CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP=library)
-    select = []
-    if library == 'none':
-        shutil.copytree(ROOT/'clfast', tmp_path/'clfast', ignore=shutil.ignore_patterns('*.so', '__pycache__'))
-        env.update(PYTHONPATH=f"{tmp_path}{os.pathsep}{env['PYTHONPATH']}", CXX=str(tmp_path/'no-compiler'),
-                   TORCH_EXTENSIONS_DIR=str(tmp_path/'extensions'))
-    else: select = ['-k', 'not (test_layer or resnet_step or efficientnet_step)']
-    p = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *select,
-                        str(ROOT/'tests'/'_triton_interp_layer.py')], env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
-    assert ' passed' in p.stdout and 'skipped' not in p.stdout
+    code, out = interpreted(library)
+    assert code == 0, out[-8000:]
+    assert ' passed' in out and 'skipped' not in out
 
 @pytest.mark.cuda
 @pytest.mark.parametrize('dt', [torch.float32, torch.bfloat16, torch.float16, torch.float64])

@@ -20,7 +20,7 @@ from .reference import ConvGeometry
 
 # %% auto #0
 __all__ = ['MODELS', 'DTYPES', 'BATCH', 'SIZE', 'LAYER_ACTS', 'GPUS', 'LATENCY', 'MARGIN', 'FULL_ARCHS', 'MODEL_ARCHS',
-           'KERNEL_ORDER', 'TRAFFIC_LAYERS', 'PREDICTED', 'FURTHER', 'KERNELS_MD', 'Launch', 'recording', 'model_step',
+           'KERNEL_ORDER', 'TRAFFIC_LAYERS', 'PREDICTED', 'KERNELS_MD', 'Launch', 'recording', 'model_step',
            'layer_step', 'option_steps', 'launch_plan', 'Spec', 'specialize', 'specializations', 'GPU', 'bytes_needed',
            'occupancy', 'Compiled', 'compile_spec', 'serves', 'TritonCompiles', 'counting_compiles', 'Report',
            'report_archs', 'plan_specs', 'compile_report', 'warm_compile', 'report_table', 'Pass', 'stock_passes',
@@ -54,7 +54,7 @@ def recording(run:bool=True, phase:str=''):
     try: yield launches
     finally: tk._launch_hook = old
 
-# %% ../nbs/27_gpu_report.ipynb #3b576076
+# %% ../nbs/27_gpu_report.ipynb #e10a0240
 MODELS = ('resnet50', 'efficientnet_b0')
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BATCH, SIZE = 256, 224          # the models' batch and image size: an H100 training step's
@@ -78,13 +78,17 @@ def _step(forward) -> list[Launch]:
             if out.requires_grad: out.float().sum().backward()
     return fwd + bwd
 
-def model_step(arch:str, dtype:torch.dtype, mode:str, bs:int=BATCH, size:int=SIZE) -> list[Launch]:
-    "The launches of one fused training step of torchvision's `arch` at `bs` x 3 x `size` x `size`, dry-run"
+def _fused_model(arch:str, dtype:torch.dtype, mode:str, bs:int, size:int) -> tuple[nn.Module, torch.Tensor]:
+    "torchvision's `arch` on `meta`, fused in `mode`, as mixed precision in `dtype` trains it, and a batch for it"
     import torchvision
     from clfast.fuse import fuse_conv_bn
     with torch.device('meta'): model = getattr(torchvision.models, arch)()
     model = _amp_like(fuse_conv_bn(model, mode), dtype).to(memory_format=torch.channels_last).train()
-    x = torch.empty(bs, 3, size, size, dtype=dtype, device='meta').to(memory_format=torch.channels_last)
+    return model, torch.empty(bs, 3, size, size, dtype=dtype, device='meta').to(memory_format=torch.channels_last)
+
+def model_step(arch:str, dtype:torch.dtype, mode:str, bs:int=BATCH, size:int=SIZE) -> list[Launch]:
+    "The launches of one fused training step of torchvision's `arch` at `bs` x 3 x `size` x `size`, dry-run"
+    model, x = _fused_model(arch, dtype, mode, bs, size)
     return _step(lambda: model(x))
 
 class _Traced(torch.overrides.TorchFunctionMode):
@@ -526,7 +530,7 @@ def prediction_table(models=PREDICTED, cc:int=90) -> str:
                      f"**{t['speed']['speedup']:.2f}x** / {t['memory']['speedup']:.2f}x |")
     return '\n'.join(lines)
 
-# %% ../nbs/27_gpu_report.ipynb #6b778221
+# %% ../nbs/27_gpu_report.ipynb #a3cf4ef0
 class FusedLayer(NamedTuple):
     "A fused layer of a model's training step, as `fused_layers` finds it"
     name: str
@@ -542,11 +546,8 @@ class _ConvLeaves(torch.fx.Tracer):
 
 def fused_layers(arch:str='resnet50', dtype:torch.dtype=torch.bfloat16, bs:int=BATCH, size:int=SIZE) -> list[FusedLayer]:
     "The fused layers of torchvision's `arch` fused 'speed' at `bs` x 3 x `size` x `size`: shapes from a dry run, uses from its graph"
-    import torchvision
-    from clfast.fuse import fuse_conv_bn
     from clfast.fused import FusedConvBN2d
-    with torch.device('meta'): model = getattr(torchvision.models, arch)()
-    model = _amp_like(fuse_conv_bn(model, 'speed'), dtype).to(memory_format=torch.channels_last).train()
+    model, x = _fused_model(arch, dtype, 'speed', bs, size)
     fused = {n: m for n, m in model.named_modules() if isinstance(m, FusedConvBN2d)}
     feeds = {}
     for node in _ConvLeaves().trace(model).nodes:
@@ -561,7 +562,6 @@ def fused_layers(arch:str='resnet50', dtype:torch.dtype=torch.bfloat16, bs:int=B
             seen[name] = dict(rows=out.numel() // out.shape[1], channels=out.shape[1], residual=res is not None)
         return hook
     hooks = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in fused.items()]
-    x = torch.empty(bs, 3, size, size, dtype=dtype, device='meta').to(memory_format=torch.channels_last)
     try:
         with _triton_on_meta(), recording(run=False): model(x)
     finally:
@@ -576,8 +576,6 @@ def _pass_bytes(dtype:torch.dtype, act:str, residual:bool, cc:int) -> dict[str, 
         c = compile_spec(specialize(l, cc))
         if c.streams: out[l.name] += (c.loads + c.stores) / c.elements
     return dict(out)
-
-FURTHER = ('now', 'epilogue', 'prologue')
 
 def further_fusion(arch:str='resnet50', dtype:torch.dtype=torch.bfloat16, bs:int=BATCH, size:int=SIZE, cc:int=90) -> dict:
     """The BN/act/add bytes of one training step of `arch`: stock, fused 'speed' now, with the statistics in the

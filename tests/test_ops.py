@@ -257,17 +257,17 @@ def interpreted(tmp_path_factory):
     core, so on two cores they take about the longest one's time, not the sum (40 s against 80 on Zen 3)"""
     pytest.importorskip('triton')
     tmp, runs = tmp_path_factory.mktemp('interpreted'), {}
-    def start(name, test_file, select=(), **env):
-        log = tmp/f'{name}.log'
+    def start(name, test_file, select=(), path_first=None, **env):
+        log, env = tmp/f'{name}.log', _env(TRITON_INTERPRET='1', **env)
+        if path_first: env['PYTHONPATH'] = f"{path_first}{os.pathsep}{env['PYTHONPATH']}"
         with open(log, 'w') as out:   # a file, not a pipe: three children writing at once never block on a full pipe
             runs[name] = log, subprocess.Popen([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *select,
-                                                str(ROOT/'tests'/test_file)], env=_env(TRITON_INTERPRET='1', **env),
+                                                str(ROOT/'tests'/test_file)], env=env,
                                                stdout=out, stderr=subprocess.STDOUT, cwd=tmp)
     start('kernels', '_triton_interp_kernels.py', ['-x'])
     # a copy of clfast with no C++ library built and no compiler to build one, as on a GPU machine without a C++ toolchain
     shutil.copytree(ROOT/'clfast', tmp/'none'/'clfast', ignore=shutil.ignore_patterns('*.so', '__pycache__'))
-    start('none', '_triton_interp_layer.py', CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP='none',
-          PYTHONPATH=f"{tmp/'none'}{os.pathsep}{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    start('none', '_triton_interp_layer.py', path_first=tmp/'none', CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP='none',
           CXX=str(tmp/'no-compiler'), TORCH_EXTENSIONS_DIR=str(tmp/'extensions'))
     start('cpp', '_triton_interp_layer.py', ['-k', 'not (test_layer or resnet_step or efficientnet_step)'],
           CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP='cpp')

@@ -12,11 +12,11 @@ try: import fcntl   # POSIX; elsewhere processes are not kept apart (said in `me
 except ImportError: fcntl = None
 
 # %% auto #0
-__all__ = ['MARGIN', 'ALPHA', 'MIN_PAIRS', 'MAX_PAIRS', 'TIMINGS', 'LOCK_TIMEOUT', 'sign_test', 'verdict', 'Timing', 'time_pair',
-           'paired_ratio', 'DeviceClock', 'measuring', 'decide', 'fresh_state', 'plain_saves', 'decide_premise',
-           'timings', 'forget_timings', 'report']
+__all__ = ['MARGIN', 'ALPHA', 'MIN_PAIRS', 'MAX_PAIRS', 'TIMINGS', 'LOCK_TIMEOUT', 'sign_test', 'verdict', 'hopeless', 'Timing',
+           'time_pair', 'paired_ratio', 'DeviceClock', 'measuring', 'decide', 'fresh_state', 'plain_saves',
+           'decide_premise', 'timings', 'forget_timings', 'report']
 
-# %% ../nbs/04a_timing.ipynb #cf53f735
+# %% ../nbs/04a_timing.ipynb #9f431533
 MARGIN = 0.95               # the candidate is chosen only where it takes at most this fraction of the default's time
 ALPHA = 0.025               # one-sided sign test: the chance that noise alone decides (97.5% confidence)
 MIN_PAIRS, MAX_PAIRS = 6, 12   # 6: the fewest pairs a sign test can decide at ALPHA (0.5**6 = 0.016)
@@ -32,13 +32,21 @@ def verdict(ratios:list) -> bool|None:
     if n and sign_test(n - below, n) <= ALPHA: return False
     return None
 
-# %% ../nbs/04a_timing.ipynb #92e20076
+def hopeless(ratios:list) -> bool:
+    "Whether no pairs added to `ratios` can make `verdict` True within `MAX_PAIRS`: too many ratios above `MARGIN` already"
+    # k ratios above the margin leave at best n - k of n at or below it, whose chance P(Bin(n, 1/2) <= k) only falls as
+    # n grows: if even n = MAX_PAIRS leaves it above ALPHA, no n can
+    return sign_test(MAX_PAIRS - sum(r > MARGIN for r in ratios), MAX_PAIRS) > ALPHA
+
+# %% ../nbs/04a_timing.ipynb #3a4b2db0
 @dataclass(frozen=True)
 class Timing:
     "Two ways timed against each other: the candidate's time over the default's (median of paired ratios), how many pairs, and the decision"
     ratio: float
     pairs: int
-    faster: bool|None   # True: the candidate takes at most `MARGIN` of the default's time (sign test); False: not; None: undecided
+    # True: the candidate takes at most `MARGIN` of the default's time (sign test); False: not (the test says so, or can
+    # no longer say it is: `hopeless`); None: undecided
+    faster: bool|None
     default_s: float    # the default's median time
     @property
     def chosen(self) -> bool: return self.faster is True   # undecided keeps the default
@@ -61,15 +69,18 @@ def _pairs(default:Callable, candidate:Callable, sync:Callable|None, clock:Calla
         yield c / d, d
 
 def time_pair(default:Callable, candidate:Callable, sync:Callable|None=None, give_up:float|None=None,
-              clock:Callable[[], float]=time.perf_counter) -> Timing:
-    """Time `candidate` against `default` in alternating pairs after a warm-up of each, until the sign test decides or
-    `MAX_PAIRS`; `sync` (a GPU's synchronize) runs around each timed call so a device's time counts. `give_up`: a first
-    pair with the candidate that many times slower ends it at once, not faster (no probe runs a hopeless way 12 times).
-    `clock`: what is read before and after each call (seconds)"""
+              clock:Callable[[], float]=time.perf_counter, full_verdict:bool=False) -> Timing:
+    """Time `candidate` against `default` in alternating pairs after a warm-up of each, until the sign test decides,
+    the candidate is `hopeless` (not faster: what the whole run would choose, sooner), or `MAX_PAIRS`; `sync` (a GPU's
+    synchronize) runs around each timed call so a device's time counts. `give_up`: a first pair with the candidate that
+    many times slower ends it at once, not faster (no probe runs an emulated precision 12 times). `clock`: what is read
+    before and after each call (seconds). `full_verdict`: no `hopeless` stop, for a caller that reports the ratio and
+    tells a tie (undecided) from a loss (False)"""
     ratios, base = [], []
     for r, d in _pairs(default, candidate, sync, clock):
         ratios.append(r); base.append(d)
         if give_up is not None and len(ratios) == 1 and r > give_up: return Timing(r, 1, False, d)
+        if not full_verdict and hopeless(ratios): return Timing(statistics.median(ratios), len(ratios), False, statistics.median(base))
         if len(ratios) >= MAX_PAIRS or (len(ratios) >= MIN_PAIRS and verdict(ratios) is not None): break
     return Timing(statistics.median(ratios), len(ratios), verdict(ratios), statistics.median(base))
 
@@ -245,7 +256,7 @@ def forget_timings(prefix:str=''):
         cache.clear().update(kept)
     for k in [k for k in _here if k.startswith(prefix)]: del _here[k]
 
-# %% ../nbs/04a_timing.ipynb #0b8b8973
+# %% ../nbs/04a_timing.ipynb #cba1cf05
 _WAYS = {'amp': ('fp32', 'the half precision'), 'premise': ('the stock kernel', "clfast's route"),
          'layer': ('the fused op', 'the stock modules'), 'conv_backward': ("ATen's conv backward", None)}   # (default, candidate) of each kind
 
@@ -253,7 +264,8 @@ def report() -> str:
     "This machine's decisions, one line each: the candidate's time over the default's, the pairs, the way chosen"
     rows = timings()
     head = (f"clfast's timed decisions on this machine ({_TimingCache(TIMINGS).path}): a candidate replaces the default "
-            f"where it takes at most {MARGIN:g} of its time (sign test, {1 - ALPHA:.1%} confidence, {MIN_PAIRS}-{MAX_PAIRS} pairs)")
+            f"where it takes at most {MARGIN:g} of its time (sign test, {1 - ALPHA:.1%} confidence, {MIN_PAIRS}-{MAX_PAIRS} pairs; "
+            f"a candidate the test can no longer choose stops sooner)")
     if not rows: return head + "\n  none yet: each is measured when first needed"
     lines = [head]
     for k, t in sorted(rows.items()):

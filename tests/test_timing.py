@@ -1,6 +1,6 @@
 """clfast.timing, the one way clfast times a choice: the stopping rule on scripted timings (a clock that advances by
 what each call is said to take), and the measuring lock and the shared cache between real processes"""
-import json, os, subprocess, sys, textwrap, time
+import itertools, json, os, subprocess, sys, textwrap, time
 import pytest, torch
 from torch.overrides import TorchFunctionMode
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -19,18 +19,34 @@ class Script:
         return f
     def run(self, **kw): return time_pair(self.call('d', self.d), self.call('c', self.c), clock=self.clock, **kw)
 
-@pytest.mark.parametrize('candidate,faster,pairs', [
-    ([0.5], True, MIN_PAIRS),                  # clearly faster: the fewest pairs settle it
-    ([1.5], False, MIN_PAIRS),                 # clearly slower
-    ([MARGIN], True, MIN_PAIRS),               # at the margin counts as faster by it
-    ([0.9, 1.05], None, MAX_PAIRS),            # a tie within noise: undecided when the pairs run out, the default stays
-    ([1.0, 1.0, 0.8], None, MAX_PAIRS),        # 1 in 3 below: neither side significant in 12 pairs
+@pytest.mark.parametrize('candidate,faster,pairs,full_pairs', [
+    ([0.5], True, MIN_PAIRS, MIN_PAIRS),                  # clearly faster: the fewest pairs settle it
+    ([1.5], False, 3, MIN_PAIRS),                         # clearly slower: hopeless at its third pair above the margin
+    ([MARGIN], True, MIN_PAIRS, MIN_PAIRS),               # at the margin counts as faster by it
+    ([0.9, 1.05], False, 6, MAX_PAIRS),                   # a tie within noise (full: undecided when the pairs run out)
+    ([1.0, 1.0, 0.8], False, 4, MAX_PAIRS),               # 1 in 3 below (full: neither side significant in 12 pairs)
 ])
-def test_pairs_are_added_until_the_sign_test_decides(candidate, faster, pairs):
-    "The decision follows the pairs' ratios (the default takes 1.0), not one noisy pair; a tie is said to be one"
+def test_pairs_are_added_until_the_sign_test_decides(candidate, faster, pairs, full_pairs):
+    """The decision follows the pairs' ratios (the default takes 1.0), not one noisy pair; a candidate that can no longer
+    be chosen stops at once, not faster (the default kept, as the whole run keeps it); `full_verdict` runs the sign test
+    to its verdict, and a tie is said to be one"""
     t = Script([1.0], candidate).run()
     assert (t.faster, t.pairs) == (faster, pairs), t
     assert t.chosen == (faster is True) and t.default_s == 1.0
+    full = Script([1.0], candidate).run(full_verdict=True)
+    assert (full.faster, full.pairs) == (None if full_pairs == MAX_PAIRS else faster, full_pairs), full
+    assert full.chosen == t.chosen
+
+def test_hopeless_stops_only_where_the_whole_run_would_not_choose():
+    """Every sequence of `MAX_PAIRS` ratios above or below the margin: `hopeless` stops a run only after the sign test
+    chose the candidate (where the run has ended already) or where it never would, and it stops every run that ends
+    unchosen"""
+    for above in itertools.product([False, True], repeat=MAX_PAIRS):
+        rs = [1.0 if a else 0.5 for a in above]
+        stop = next((n for n in range(1, MAX_PAIRS + 1) if timing.hopeless(rs[:n])), None)
+        chosen_at = next((n for n in range(MIN_PAIRS, MAX_PAIRS + 1) if timing.verdict(rs[:n]) is True), None)
+        if stop is None: assert chosen_at is not None, rs
+        else: assert chosen_at is None or chosen_at < stop, rs
 
 def test_give_up_ends_a_hopeless_candidate_at_once():
     t = Script([1.0], [30.0, 1.0]).run(give_up=20.)

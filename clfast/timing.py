@@ -38,7 +38,7 @@ def hopeless(ratios:list) -> bool:
     # n grows: if even n = MAX_PAIRS leaves it above ALPHA, no n can
     return sign_test(MAX_PAIRS - sum(r > MARGIN for r in ratios), MAX_PAIRS) > ALPHA
 
-# %% ../nbs/04a_timing.ipynb #3a4b2db0
+# %% ../nbs/04a_timing.ipynb #5b66c959
 @dataclass(frozen=True)
 class Timing:
     "Two ways timed against each other: the candidate's time over the default's (median of paired ratios), how many pairs, and the decision"
@@ -80,7 +80,8 @@ def time_pair(default:Callable, candidate:Callable, sync:Callable|None=None, giv
     for r, d in _pairs(default, candidate, sync, clock):
         ratios.append(r); base.append(d)
         if give_up is not None and len(ratios) == 1 and r > give_up: return Timing(r, 1, False, d)
-        if not full_verdict and hopeless(ratios): return Timing(statistics.median(ratios), len(ratios), False, statistics.median(base))
+        if not full_verdict and hopeless(ratios):   # not faster: what the whole run would choose, sooner
+            return Timing(statistics.median(ratios), len(ratios), False, statistics.median(base))
         if len(ratios) >= MAX_PAIRS or (len(ratios) >= MIN_PAIRS and verdict(ratios) is not None): break
     return Timing(statistics.median(ratios), len(ratios), verdict(ratios), statistics.median(base))
 

@@ -7,7 +7,7 @@ with an empty clfast cache each.
     flock /tmp/clfast-cpu.lock python benchmarks/bench_first_step.py --compare-full-verdict   # against the whole sign test
 
 Each run is one process: a torchvision model, a Learner over one synthetic batch, `to_channelslast()`, then two
-`fit(1)`s; the first one's time over the second's is what the choices cost (each is measured once and cached; the
+`fit(1)`s; the first one's time less the second's is what the choices cost (each is measured once and cached; the
 second fit measures nothing). `--compare-full-verdict` alternates each run with one whose choices run the sign test to
 its end (`clfast.timing.hopeless` off: the stopping rule before it existed) and prints the pairs' ratios: the same
 choices, counted in pairs and seconds.

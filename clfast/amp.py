@@ -198,7 +198,7 @@ def _check_scaler_kwargs(kwargs:dict) -> dict:
         if not ok(v): raise ValueError(f"MixedPrecision: GradScaler's {k}={v!r} must be {what}")
     return kwargs
 
-# %% ../nbs/01_amp.ipynb #14c9153b
+# %% ../nbs/01_amp.ipynb #2040d96d
 @delegates(GradScaler)
 class MixedPrecision(Callback):
     "Mixed precision training with PyTorch AMP on CUDA, CPU and MPS; same arguments as fastai's `MixedPrecision`"
@@ -250,8 +250,8 @@ class MixedPrecision(Callback):
     def after_batch(self): self._exit_autocast()   # a batch cancelled before `after_loss` still leaves autocast
     def after_fit(self): self._exit_autocast(); self.autocast, self.learn.scaler, self.scales = None, None, None
 
-    def interrupted(self):
-        "Called when a batch raised (any exception, KeyboardInterrupt included): leave autocast, forget the half-done step"
+    def interrupted(self, exc:BaseException):
+        "Called when a batch raised `exc` (any exception, KeyboardInterrupt included): leave autocast, forget the half-done step"
         self._exit_autocast()
         scaler = getattr(self.learn, 'scaler', None)
         # a step interrupted between `scaler.step` and `scaler.update` would make the next `step` raise
@@ -265,16 +265,17 @@ class MixedPrecision(Callback):
         "Fake optimizer step: `GradScaler` calls it only when gradients are finite"
         self.skipped = False
 
-# %% ../nbs/01_amp.ipynb #0dc39d3c
+# %% ../nbs/01_amp.ipynb #215b9182
 _fastai_one_batch = Learner.one_batch
 
 @patch
 def one_batch(self:Learner, i, b):
     try: return _fastai_one_batch(self, i, b)
-    except BaseException:
+    except BaseException as e:
         for cb in self.cbs:
-            # clfast's callbacks that hold state for the length of a step or a fit (MixedPrecision, CudaGraphs) let go of it
-            if callable(getattr(type(cb), 'interrupted', None)): cb.interrupted()
+            # clfast's callbacks that hold state for the length of a step or a fit (MixedPrecision, CudaGraphs) let go
+            # of what the exception ends
+            if callable(getattr(type(cb), 'interrupted', None)): cb.interrupted(e)
         raise
 
 # %% ../nbs/01_amp.ipynb #432fb6fb

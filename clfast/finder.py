@@ -74,7 +74,7 @@ def default_setups(device:torch.device|str, compile:bool=False, graphs:bool|None
         if compile: res.append(Setup(True, dtype, None, compile=True))
     return res
 
-# %% ../nbs/30_finder.ipynb #ee6e206a
+# %% ../nbs/30_finder.ipynb #4ba124e1
 def _saved_bytes(params:set, store:dict):
     def pack(t):
         s = t.untyped_storage()
@@ -84,7 +84,7 @@ def _saved_bytes(params:set, store:dict):
 
 def _graphed(model:nn.Module, device:torch.device) -> GraphedForward:
     "`model`'s forward from CUDA graphs, captured at its first call (the finder's untimed step); raises where it cannot be"
-    def refuse(why): raise RuntimeError(f"no CUDA graphs: {why}")
+    def refuse(why, then=None): raise RuntimeError(f"no CUDA graphs: {why}")   # `GraphedForward`'s `say`
     if device.type != 'cuda': refuse(f"they need a CUDA model, and this one is on {device}")
     res = GraphedForward(model, warm=0, say=refuse)
     if res.why: refuse(res.why)

@@ -107,6 +107,29 @@ def test_graphed_forward_passes_cpu_calls_through():
     m.eval()
     assert torch.equal(g(x), m(x))
 
+def test_a_copy_or_pickle_of_a_graphed_model_gets_its_own_forward():
+    """A copy or a pickle of the model made while it trains from graphs (an EMA callback's deepcopy, a checkpoint's
+    torch.save) gets the model's own forward, bound to the copy, not the `GraphedForward` and its CUDA graphs"""
+    import copy, io, pickle
+    m = conv_net().train()
+    m.forward = GraphedForward(m)
+    x = torch.randn(2, 3, 8, 8)
+    buf = io.BytesIO(); torch.save(m, buf); buf.seek(0)
+    for c in (copy.deepcopy(m), pickle.loads(pickle.dumps(m)), torch.load(buf, weights_only=False)):
+        assert not isinstance(c.__dict__.get('forward'), GraphedForward) and c.forward.__self__ is c
+        m.eval(); c.eval()
+        assert torch.equal(c(x), m(x))
+
+def test_a_modules_mode_is_part_of_what_a_graph_depends_on():
+    "A module switched to eval (or back) during a fit changes what a captured graph would run: a replay then captures again"
+    from clfast.graphs import _tensors_at
+    m = conv_net().train()
+    at = _tensors_at(m)
+    m[0][1].eval()
+    assert _tensors_at(m) != at
+    m[0][1].train()
+    assert _tensors_at(m) == at
+
 def test_finder_graphed_setup_on_cpu_is_a_failed_row():
     "A graphed setup on a CPU model: its row says why, the others are measured"
     learn = tiny_learner()
@@ -283,6 +306,106 @@ def test_finder_measures_graphed_setups():
     for s in graphed:
         row = df.loc[s.name]
         assert row.error == '' and row.steps == 4 and row.first_step_s > 0
+
+@pytest.mark.cuda
+def test_a_replay_draws_the_dropout_masks_an_eager_step_draws():
+    "The capture's warm-up gives its random numbers back: a replay draws the masks an eager step draws from the same seed"
+    m = nn.Sequential(conv_net(n_out=64), nn.Dropout(0.5)).cuda().train().to(memory_format=torch.channels_last)
+    g = GraphedForward(m, warm=0)
+    x = torch.randn(16, 3, 16, 16, device='cuda').to(memory_format=torch.channels_last)
+    torch.manual_seed(5); replayed = g(x)            # captured, then replayed
+    assert len(g.graphs) == 1
+    torch.manual_seed(5); eager = g.forward(x)
+    assert torch.equal(replayed == 0, eager == 0) and (eager == 0).any()
+    assert torch.allclose(replayed, eager, rtol=1e-4, atol=1e-5)
+
+@pytest.mark.cuda
+def test_a_second_forward_before_the_backward_trains_eagerly():
+    """Two forwards, then one backward (a loss that runs the model twice): the graph holds one forward's activations, so
+    the second call trains eagerly, said once; the gradients are the step's, against fp64; the next step replays again"""
+    from clfast.check import grad_error
+    m = conv_net().cuda().train().to(memory_format=torch.channels_last)
+    said = []
+    g = GraphedForward(m, warm=1, say=lambda why, then='training eagerly': said.append(f"{why}; {then}"))
+    x1, x2 = (torch.randn(16, 3, 16, 16, device='cuda').to(memory_format=torch.channels_last) for _ in range(2))
+    for _ in range(3): g(x1).sum().backward()
+    assert len(g.graphs) == 1
+    import copy
+    ref = copy.deepcopy(m).double()
+    ref.zero_grad(set_to_none=True)   # the copy's gradients are the warm-up steps'
+    (ref(x1.double()).square().sum() + ref(x2.double()).sum()).backward()
+    m.zero_grad(set_to_none=True)
+    (g(x1).square().sum() + g(x2).sum()).backward()
+    assert said == ["the model was called again before the backward of its replayed forward (a graph holds one "
+                    "forward's activations); such calls train eagerly"]
+    err = grad_error({n: p.grad for n, p in m.named_parameters()}, {n: p.grad for n, p in ref.named_parameters()})
+    assert err < 1e-3, err
+    g(x1).sum().backward()
+    assert len(said) == 1 and len(g.graphs) == 1
+
+@pytest.mark.cuda
+def test_fastais_cancels_keep_the_graphs_and_a_short_last_batch_is_never_steady():
+    """A callback's CancelTrainException (fastai's ShortEpochCallback's way) ends an epoch's training, not the graphs:
+    the next epochs replay; and the epoch's short last batch, back every epoch, is never said to be steady"""
+    from fastai.callback.core import CancelTrainException
+    from clfast.graphs import GraphedForward
+    learn = _cuda_learner().to_channelslast(amp_mode='bf16', graphs=True)
+    installed = []
+    class CutFirstEpoch(Callback):
+        order = 20
+        def after_batch(self):
+            if not self.training: return
+            installed.append((self.epoch, isinstance(self.model.__dict__.get('forward'), GraphedForward)))
+            if self.epoch == 0 and self.iter == 5: raise CancelTrainException()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        _fit(learn, CutFirstEpoch(), epochs=WARM_STEPS + 3)
+    assert not [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+    assert [i for e, i in installed if e > 0] and all(i for e, i in installed)
+    assert learn.cuda_graphs.captured == 1 and learn.cuda_graphs.retried == []
+
+@pytest.mark.cuda
+def test_a_hook_added_during_the_fit_is_seen_at_the_capture():
+    "A hook registered after the fit began, before the capture: said at the capture, and every step calls it (eager)"
+    learn = _cuda_learner().to_channelslast(amp_mode='bf16', graphs=True)
+    calls = []
+    class AddHook(Callback):
+        order = 20
+        def before_batch(self):
+            if self.training and self.epoch == 0 and self.iter == 1:
+                self.model[1][0].register_forward_hook(lambda mod, a, out: calls.append(mod.training) if mod.training else None)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        _fit(learn, AddHook())
+    said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+    assert said == ["CudaGraphs: module 1.0 (Conv2d) has hooks, which a replayed graph would not call; training eagerly."]
+    assert learn.cuda_graphs.captured == 0 and len(calls) == len(learn.recorder.losses) - 1
+
+@pytest.mark.cuda
+def test_a_deepcopy_during_a_graphed_fit():
+    "An EMA-like callback's deepcopy of the model after the capture: a working copy with its own forward, training unharmed"
+    import copy
+    from clfast.graphs import GraphedForward
+    learn = _cuda_learner().to_channelslast(amp_mode='bf16', graphs=True)
+    copies = []
+    class Snapshot(Callback):
+        order = 20
+        def after_batch(self):
+            if self.training and learn.cuda_graphs.captured: copies.append(copy.deepcopy(self.model))
+    _fit(learn, Snapshot())
+    assert copies and learn.cuda_graphs.captured == 1
+    c = copies[-1].eval()
+    assert not isinstance(c.__dict__.get('forward'), GraphedForward) and c(learn.dls.one_batch()[0]).isfinite().all()
+
+@pytest.mark.cuda
+def test_finder_graphed_step_refuses_a_second_shape_with_its_message():
+    "The finder's graphed step says why it cannot go on (a second steady shape) as a RuntimeError naming it"
+    from clfast.finder import _graphed
+    m = conv_net().cuda().train().to(memory_format=torch.channels_last)
+    g = _graphed(m, torch.device('cuda'))
+    big, small = (torch.randn(n, 3, 16, 16, device='cuda').to(memory_format=torch.channels_last) for n in (16, 4))
+    g(big).sum().backward()
+    with pytest.raises(RuntimeError, match='no CUDA graphs: batches of shape 4x3x16x16 came steady'): g(small)
 
 class _ReadsOnHost(nn.Module):
     "A forward that reads a value on the host: fine eagerly, impossible inside a capture"

@@ -347,8 +347,11 @@ def test_triton_interpreted_layer(library, interpreted):
 @pytest.mark.parametrize('act,p', ACT_CASES)
 def test_against_fp64_cuda(dt, act, p):
     "CUDA dispatch (Triton kernels) matches the fp64 oracle"
+    from clfast import triton_kernels as tk
     for res, training, keep_y in [(True, True, True), (False, False, False)]:
         check(dt, act, p, res, training, keep_y, device='cuda', shape=(4, 16, 9, 9), cout=70)
+    torch.cuda.synchronize()   # the reductions' last programs left their counters at zero, on a GPU's threads too
+    assert not tk._LOCKS[torch.device('cuda', torch.cuda.current_device())].any()
 
 def _cuda_step(dt, offset:int, launch:str):
     """A fused layer step on CUDA (batch statistics, residual, SiLU) launched `launch`'s way: its output, every gradient

@@ -110,6 +110,21 @@ def test_precise_bn_pickles_as_stock_and_falls_back():
         bn = make_precise(copy.deepcopy(ref)).eval(); ref.eval()
         with torch.no_grad(): torch.testing.assert_close(bn(t), ref(t))
 
+def test_a_traced_or_exported_eval_model_holds_stock_ops():
+    """In eval a precise BN takes clfast's op only for its backward sums (a frozen BN's gradients), and not while
+    `torch.jit.trace` or `torch.export` records it: the recorded graph runs where clfast is not installed"""
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), make_precise(nn.BatchNorm2d(8))).to(memory_format=CL).eval()
+    x = torch.randn(2, 3, 8, 8).to(memory_format=CL)
+    out = m(x)
+    assert 'clfast' in out.grad_fn.name()   # eagerly, gradients on: clfast's op
+    traced = torch.jit.trace(m, x)
+    kinds = {n.kind() for n in traced.inlined_graph.nodes()}
+    assert 'aten::batch_norm' in kinds and not any(k.startswith('clfast') for k in kinds), kinds
+    exported = torch.export.export(m, (x,))
+    targets = {str(n.target) for n in exported.graph.nodes if n.op == 'call_function'}
+    assert 'aten.batch_norm.default' in targets and not any('clfast' in t for t in targets), targets
+    for f in (traced, exported.module()): torch.testing.assert_close(f(x), out)
+
 def _bench_precision():
     import importlib.util, pathlib
     path = pathlib.Path(__file__).parents[1]/'benchmarks'/'bench_precision.py'

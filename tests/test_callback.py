@@ -1,4 +1,4 @@
-import sys, warnings, pytest, torch
+import math, sys, warnings, pytest, torch
 from torch import nn
 import fastai.callback.fp16 as fastai_fp16
 import fastai.callback.channelslast as fastai_cl
@@ -118,8 +118,12 @@ def test_two_amp_callbacks_refused():
     with pytest.raises(ValueError, match="2 MixedPrecision callbacks"): _fit(learn)
 
 def test_no_conv_model_warns():
-    learn = Learner(image_dls(), nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 2)), loss_func=CrossEntropyLossFlat())
-    with pytest.warns(UserWarning, match="no 2D or 3D convolution"): _fit(learn.to_channelslast(use_amp=False))
+    "A model without 2D/3D convs: said, and its batches left as they are (fastai's `Flatten` views them, as stock fastai trains it)"
+    for flatten in (nn.Flatten(), Flatten()):
+        learn = Learner(image_dls(), nn.Sequential(flatten, nn.Linear(3 * 16 * 16, 2)), loss_func=CrossEntropyLossFlat())
+        probe = Probe()
+        with pytest.warns(UserWarning, match="no 2D or 3D convolution"): _fit(learn.to_channelslast(use_amp=False), probe)
+        assert probe.xb and all(xb[0].is_contiguous() for xb in probe.xb)
     # a Conv1d's 3D tensors have no channels-last format: as for no conv at all
     x = torch.randn(32, 4, 20)
     dls = DataLoaders.from_dsets(list(zip(x, (x[:, 0, 0] > 0).long())), list(zip(x, (x[:, 0, 0] > 0).long())), bs=8, device='cpu')
@@ -272,3 +276,42 @@ def test_fastai_arguments_are_taken():
     learn.fit(1)
     assert seen == ['ChannelsLast']
     with pytest.raises(TypeError): ChannelsLast('speed')   # fuse is keyword-only, as fastai's callback takes no positional
+
+def test_clips_for_a_model_of_2d_convs_stay_as_they_are():
+    """5D batches are converted for a model with a Conv3d only: clips `[B, T, C, H, W]` that fastai's `TimeDistributed`
+    views as 4D frames for its 2D convs train as with stock fastai's `to_channelslast`"""
+    from fastai.layers import TimeDistributed
+    x = torch.randn(32, 4, 3, 16, 16)
+    y = (x[:, :, 0].mean((1, 2, 3)) > 0).long()
+    dls = DataLoaders.from_dsets(list(zip(x, y)), list(zip(x, y)), bs=8, device='cpu')
+    frames = nn.Sequential(ConvLayer(3, 8), nn.AdaptiveAvgPool2d(1), Flatten())
+    model = nn.Sequential(TimeDistributed(frames), Flatten(), nn.Linear(4 * 8, 2))
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat()).to_channelslast(use_amp=False)
+    probe = Probe()
+    _fit(learn, probe)
+    assert probe.xb and all(xb[0].is_contiguous() for xb in probe.xb)
+    assert is_channels_last(frames[0][0].weight)   # the model's 2D convs are channels-last all the same
+    assert all(math.isfinite(l) for l in learn.recorder.losses)
+
+def test_learner_pickled_by_an_older_clfast_loads_and_trains():
+    """A learner pickled with clfast's callbacks from before they had some of their state (an export from
+    2026-11-22 to 27 holds them) unpickles with that state at its defaults, and trains"""
+    import pickle
+    learn = tiny_learner().to_channelslast(amp_mode='bf16')
+    cl, mp = learn.channels_last, learn.mixed_precision
+    for cb, names in ((cl, ('fuse', 'user_events', 'guarded_on', 'ranks')), (mp, ('device_arg', 'fp32_ops'))):
+        for n in names: del cb.__dict__[n]   # as an older clfast pickled them
+    old = pickle.loads(pickle.dumps(learn))
+    assert old.channels_last.fuse is None and old.mixed_precision.device_arg is None
+    _fit(old)
+    assert all(math.isfinite(l) for l in old.recorder.losses)
+
+def test_to_channelslast_again_keeps_the_users_event_functions():
+    "The event functions given to a ChannelsLast (clfast's or fastai's) still run after `to_channelslast` replaces it"
+    for cls in (ChannelsLast, fastai_cl.ChannelsLast):
+        seen = []
+        learn = tiny_learner(cbs=cls(after_fit=lambda cb: seen.append(('after_fit', cb.learn is not None)),
+                                     before_batch=lambda cb: seen.append(('before_batch', is_channels_last(cb.xb[0])))))
+        _fit(learn.to_channelslast(amp_mode='bf16'))
+        assert ('after_fit', True) in seen and ('before_batch', True) in seen, (cls, seen)
+        assert len(learn.cbs.filter(lambda cb: isinstance(cb, (ChannelsLast, fastai_cl.ChannelsLast)))) == 1

@@ -175,3 +175,14 @@ def test_compiled_setup_is_measured_or_a_failed_row():
     assert df.loc['channels-last fp32', 'steps'] == 2 and df.loc['channels-last fp32', 'error'] == ''
     if row.error: assert row.steps == 0 and math.isnan(row.speedup) and 'Error' in row.error
     else: assert row.steps == 2 and row.grad_drift < 1e-3 and math.isnan(row.memory_mib)
+
+@pytest.mark.cuda
+def test_format_find_measures_where_the_learner_will_train():
+    """Right after `vision_learner` the model is still on the CPU (fastai moves it at `fit`) while the batches are on
+    the GPU: the finder measures on the GPU, where training will run, and leaves the model where it was"""
+    learn = tiny_learner()
+    learn.dls.cuda()
+    assert next(learn.model.parameters()).device.type == 'cpu'
+    df = learn.format_find(setups=[BASELINE, Setup(dtype=torch.bfloat16)], n_batches=2, show_plot=False)
+    assert df.attrs['device'].startswith('cuda') and (df.error == '').all(), df
+    assert next(learn.model.parameters()).device.type == 'cpu'

@@ -74,7 +74,7 @@ def default_setups(device:torch.device|str, compile:bool=False, graphs:bool|None
         if compile: res.append(Setup(True, dtype, None, compile=True))
     return res
 
-# %% ../nbs/30_finder.ipynb #9ffaba92
+# %% ../nbs/30_finder.ipynb #c36135a0
 def _saved_bytes(params:set, store:dict):
     def pack(t):
         s = t.untyped_storage()
@@ -113,7 +113,9 @@ class _Trainer:
         else: xb = to_contiguous_format(xb)
         dt = self.setup.dtype
         store, cuda = {}, self.device.type == 'cuda'
-        if cuda: torch.cuda.synchronize(self.device); torch.cuda.reset_peak_memory_stats(self.device)
+        if cuda:
+            torch.cuda.synchronize(self.device); torch.cuda.reset_peak_memory_stats(self.device)
+            before = torch.cuda.memory_allocated(self.device)   # every setup's model copy and optimizer, which stay
         t0 = time.perf_counter()
         # saved-tensor hooks and torch.compile do not mix (inductor then fails): a compiled setup's memory is not counted
         count = contextlib.nullcontext() if self.setup.compile else _saved_bytes(self.params, store)
@@ -129,8 +131,9 @@ class _Trainer:
         if timed:
             self.times.append(time.perf_counter() - t0)
             self.losses.append(loss.item())
-            # on CUDA the allocator's peak; on a CPU, with no such counter, the activations saved for backward
-            used = torch.cuda.max_memory_allocated(self.device) if cuda else sum(store.values()) if store else math.nan
+            # on CUDA the allocator's peak over what the step found allocated; on a CPU, with no such counter, the
+            # activations saved for backward
+            used = torch.cuda.max_memory_allocated(self.device) - before if cuda else sum(store.values()) if store else math.nan
             self.memory = used if math.isnan(used) else max(self.memory, used)
 
 # %% ../nbs/30_finder.ipynb #d5133298
@@ -277,7 +280,7 @@ def measure_setups(model:nn.Module, batches:list, loss_func, make_opt, setups:li
                 except Exception as e: errors[s] = f"{type(e).__name__}: {e}"
     return _table(setups, trainers, errors, bs, device)
 
-# %% ../nbs/30_finder.ipynb #c4bf3a2c
+# %% ../nbs/30_finder.ipynb #c4484cb5
 def _table(setups, trainers, errors, bs, device) -> pd.DataFrame:
     base = trainers.get(BASELINE)
     rows = []
@@ -303,7 +306,7 @@ def _table(setups, trainers, errors, bs, device) -> pd.DataFrame:
     df = pd.DataFrame(rows).set_index('setup')
     df.attrs['setups'] = {s.name: s for s in setups}
     df.attrs['device'] = str(device)
-    df.attrs['memory'] = 'max_memory_allocated' if device.type == 'cuda' else 'saved activations'
+    df.attrs['memory'] = "the step's peak over what it found allocated" if device.type == 'cuda' else 'saved activations'
     return df
 
 # %% ../nbs/30_finder.ipynb #c4ff8078

@@ -186,3 +186,14 @@ def test_format_find_measures_where_the_learner_will_train():
     df = learn.format_find(setups=[BASELINE, Setup(dtype=torch.bfloat16)], n_batches=2, show_plot=False)
     assert df.attrs['device'].startswith('cuda') and (df.error == '').all(), df
     assert next(learn.model.parameters()).device.type == 'cpu'
+
+@pytest.mark.cuda
+def test_cuda_memory_is_the_setups_own():
+    "On CUDA a setup's memory is its step's peak over what was allocated: the other setups' model copies do not count"
+    learn = tiny_learner()
+    learn.dls.cuda(); learn.model.cuda()
+    alone = learn.format_find(setups=[BASELINE], n_batches=2, show_plot=False)
+    many = learn.format_find(setups=[BASELINE, Setup(dtype=torch.bfloat16), Setup(dtype=torch.bfloat16, fuse='speed')],
+                             n_batches=2, show_plot=False)
+    a, m = alone.loc[BASELINE.name, 'memory_mib'], many.loc[BASELINE.name, 'memory_mib']
+    assert 0 < a and abs(m - a) <= 0.1 * a, (a, m)

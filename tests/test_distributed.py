@@ -172,6 +172,27 @@ def test_standalone_fused_module_converts(one_rank_gloo):
     assert [type(m) for m in f.to_stock()][:2] == [nn.Conv2d, nn.SyncBatchNorm]
     DDP(f)   # DDP refuses real SyncBatchNorm modules on the CPU; the pass-through is a BatchNorm2d
 
+def test_synchronized_fused_layer_the_stock_way(one_rank_gloo):
+    """A synchronized fused layer run the stock way (`set_layer_way('stock')`, or 'timed' choosing it once the fit is
+    over): training synchronizes through clfast's BN on the CPU, eval runs BN's rules; both as stock BN in fp64"""
+    from clfast.fused import FusedConvBN2d, set_layer_way
+    from clfast.fuse import convert_sync_batchnorm
+    torch.manual_seed(0)
+    f = convert_sync_batchnorm(FusedConvBN2d(3, 4, 3, padding=1, act='relu')).double().to(memory_format=torch.channels_last)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU()).double()
+    ref.load_state_dict(f.to_stock().state_dict())
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    prev = set_layer_way('stock')
+    try:
+        for train in (True, False):
+            f.train(train); ref.train(train)
+            got, want = f(x.to(memory_format=torch.channels_last)), ref(x)
+            torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+            got.sum().backward(); want.sum().backward()
+            torch.testing.assert_close(f.weight.grad, ref[0].weight.grad, atol=1e-10, rtol=1e-10)
+            torch.testing.assert_close(f.bn.running_var, ref[1].running_var, atol=1e-12, rtol=1e-12)
+    finally: set_layer_way(prev)
+
 def _fastai_worker(rank, port, out, sync_bn):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR='127.0.0.1',
                       MASTER_PORT=str(port))

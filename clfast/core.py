@@ -50,7 +50,7 @@ def _check_flags(who:str, **flags):
     for name, flag in flags.items():
         if isinstance(flag, str) or flag not in (True, False): raise ValueError(f"{who}: {name}={flag!r} must be True or False")
 
-# %% ../nbs/00_core.ipynb #09d8df7a
+# %% ../nbs/00_core.ipynb #67d6ff68
 import inspect
 
 def fastai_signature(fastai_fn, also=None):
@@ -77,6 +77,24 @@ def _take_fastai_name(original:type, new:type):
     for mod_name, mod in list(sys.modules.items()):
         if mod_name.startswith('fastai.') and not hasattr(mod, '__all__') and getattr(mod, name, None) is original:
             setattr(mod, name, new)
+
+class _RNGStates:
+    """Python's, NumPy's and torch's (CPU and CUDA) random states, and those of the DataLoaders `dls` (fastai's draws its
+    next shuffle from its own `rng`, which each pass over it moves on), restored on exit whatever happens: what runs
+    inside leaves a seeded training run as it would have been"""
+    def __init__(self, *dls): self.dls = [dl for dl in dls if hasattr(getattr(dl, 'rng', None), 'getstate')]
+    def __enter__(self):
+        import random, numpy as np
+        self.states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+                       torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                       [dl.rng.getstate() for dl in self.dls])
+        return self
+    def __exit__(self, *exc):
+        import random, numpy as np
+        random.setstate(self.states[0]); np.random.set_state(self.states[1]); torch.set_rng_state(self.states[2])
+        if self.states[3] is not None: torch.cuda.set_rng_state_all(self.states[3])
+        for dl, state in zip(self.dls, self.states[4]):
+            dl.rng = random.Random(); dl.rng.setstate(state)   # a pass replaced it: a generator in the saved state
 
 class _StateDefaults:
     """A callback mixin: `_added_state` (attribute: default) fills in, on unpickling, the state that a callback pickled by

@@ -173,13 +173,33 @@ def test_hooks_removed_and_mode_exited_when_backward_raises():
     with pytest.raises(RuntimeError, match='backward boom'): cl_audit(m)
     no_leftovers(m)
 
-def test_audit_leaves_gradients_and_statistics_alone():
-    m = model_to(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)))
+def test_audit_leaves_gradients_statistics_and_random_draws_alone():
+    "The model's gradients (the very tensors, and their values: autograd would add into them), BN's statistics, the random state"
+    m = model_to(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Dropout(0.5)))
     m[0].weight.grad = g = torch.ones_like(m[0].weight)
-    mean = m[1].running_mean.clone()
-    audit(m, to_channels_last(torch.randn(2, 3, 16, 16)))
-    assert m[0].weight.grad is g and m[0].bias.grad is None and torch.equal(m[1].running_mean, mean)
-    assert m[1].num_batches_tracked.item() == 0
+    x = to_channels_last(torch.randn(2, 3, 16, 16))
+    mean, rng = m[1].running_mean.clone(), torch.get_rng_state()
+    audit(m, x)
+    assert m[0].weight.grad is g and torch.equal(g, torch.ones_like(g)) and m[0].bias.grad is None
+    assert torch.equal(m[1].running_mean, mean) and m[1].num_batches_tracked.item() == 0
+    assert torch.equal(torch.get_rng_state(), rng)
+
+def test_audit_channelslast_leaves_a_fitted_learner_as_it_was():
+    """After a fit (fastai leaves zeroed gradients): the audit adds nothing to them, draws nothing from the random state
+    or the training DataLoader's shuffle; with MixUp and CutMix attached it audits their blended batch"""
+    from fastai.vision.all import MixUp, CutMix, Learner
+    from clfast.callback import ChannelsLast
+    from helpers import image_dls, conv_net
+    for mix in (None, MixUp(), CutMix()):
+        learn = Learner(image_dls(), conv_net(), loss_func=CrossEntropyLossFlat(), cbs=[ChannelsLast()] + ([mix] if mix else []))
+        with learn.no_bar(), learn.no_logging(): learn.fit(1)
+        grads = {p: p.grad.clone() for p in learn.model.parameters()}
+        rng, shuffle, lf = torch.get_rng_state(), learn.dls.train.rng.getstate(), learn.loss_func
+        r = learn.audit_channelslast()
+        assert isinstance(r, ChannelsLastReport) and not r.note, (mix, r.note)
+        assert all(torch.equal(p.grad, g) for p, g in grads.items())
+        assert torch.equal(torch.get_rng_state(), rng) and learn.dls.train.rng.getstate() == shuffle
+        assert learn.loss_func is lf
 
 def test_bad_input():
     with pytest.raises(TypeError, match='nn.Module'): audit(lambda x: x, torch.randn(1))

@@ -35,7 +35,7 @@ inline int64_t row_grain(int64_t c) { return std::max<int64_t>(1, 32768 / std::m
 // `body(r, a, b)` adds row r's contributions to the opmath block accumulators a[C], b[C].
 template <typename opmath_t, typename Body>
 void chunked_sums(int64_t m, int64_t c, std::vector<double>& s1, std::vector<double>& s2, const Body& body) {
-  const int64_t nch = num_chunks(m, c), per = (m + nch - 1) / nch;
+  const int64_t nch = num_chunks(m, c), per = nch ? (m + nch - 1) / nch : 0;   // no rows (a rank's empty batch): no chunk
   std::vector<double> part1(nch * c, 0.0), part2(nch * c, 0.0);
   // small inputs sum inline: waking the thread pool costs more than the work (the partition stays the same)
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 15) / std::max<int64_t>(per * c, 1));

@@ -253,3 +253,19 @@ def test_squeeze_excite_convs_run_as_matmul():
     assert not any(isinstance(c, PointwiseConv2d) for c in pickle.loads(pickle.dumps(m)).modules())
     types = [type(c) for c in timm.create_model('efficientnet_b0', num_classes=10).modules()]
     assert [type(c) for c in unfuse_conv_bn(m).modules()] == types and not is_fused(m)
+
+class _OwnOrder(nn.Sequential):
+    "A Sequential whose own forward does not run its children in order (and does not trace: a data-dependent branch)"
+    def forward(self, x):
+        y = self[1](self[0](x))
+        return self[2](y) + y if x.sum() > -1e9 else y
+
+def test_a_sequential_with_its_own_forward_is_not_fused_by_adjacency():
+    "Its children are not run in order: conv -> BN -> ReLU adjacent in it is not a chain, and fusing it would change the result"
+    torch.manual_seed(0)
+    m = _OwnOrder(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    want = m(x)
+    fuse_conv_bn(m)
+    assert not is_fused(m) and any('does not trace' in why for _, why in fusion_report(m).skipped)
+    torch.testing.assert_close(m(x), want, atol=1e-12, rtol=1e-12)

@@ -20,7 +20,7 @@ from .syncbn import _cpu_sync_refusals, _install_sync_converter, _on_cpu, _refus
 # %% auto #0
 __all__ = ['is_fused', 'fuse_conv_bn', 'unfuse_conv_bn']
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #1aed23c4
+# %% ../../nbs/24d_fuse_surgery.ipynb #e59d61ea
 def _describe(n, mod) -> str:
     "What an fx node computes, in words"
     if not isinstance(n, fx.Node): return 'a constant'
@@ -170,7 +170,7 @@ class _Fuser:
 
     def untraceable(self, m, e):
         msg = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        if isinstance(m, nn.Sequential):
+        if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward:   # its children run in order
             kids = list(m.children())
             for i in range(len(kids) - 1):
                 if _conv_kind(kids[i]) is not None and isinstance(kids[i+1], _BatchNorm):

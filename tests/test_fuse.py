@@ -269,3 +269,15 @@ def test_a_sequential_with_its_own_forward_is_not_fused_by_adjacency():
     fuse_conv_bn(m)
     assert not is_fused(m) and any('does not trace' in why for _, why in fusion_report(m).skipped)
     torch.testing.assert_close(m(x), want, atol=1e-12, rtol=1e-12)
+
+@pytest.mark.parametrize('act', [nn.SiLU, nn.GELU])
+def test_a_folded_bn_act_keeps_its_activation_when_pickled(act):
+    "timm's BatchNormAct2d folded into its conv: a pickle or `stock_copy` (a plain Conv2d of the folded weights) still applies the activation"
+    from timm.layers import BatchNormAct2d
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), BatchNormAct2d(4, act_layer=act)).double().eval()
+    with torch.no_grad(): m[1].running_mean.uniform_(-1, 1); m[1].running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    want, folded = m(x), fold_conv_bn(m)
+    for got in (folded, pickle.loads(pickle.dumps(folded)), stock_copy(folded)):
+        torch.testing.assert_close(got(x), want, atol=1e-12, rtol=1e-12)

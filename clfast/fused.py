@@ -41,7 +41,7 @@ def conv_geometry(conv:nn.Conv2d) -> ConvGeometry|None:
         pad = tuple(s//2 for s in span)
     return ConvGeometry(tuple(conv.stride), tuple(pad), tuple(conv.dilation), conv.groups)
 
-# %% ../nbs/23_fused.ipynb #77fa487a
+# %% ../nbs/23_fused.ipynb #66832ea3
 def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|None=None, act:str|nn.Module|bool|None=None,
                 act_param:float=0., mode:str='speed') -> Tensor:
     "`act(bn(conv(x)) + residual)` as one fused op, updating `bn`'s running statistics like the stock module"
@@ -71,8 +71,8 @@ def _fused_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
 
 def _stock_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float) -> Tensor:
     """The layer as `to_channelslast()` runs the stock modules: the conv as `clfast.routes` runs it, the precise BN
-    where stock channels-last BN measured imprecise here (without the C++ library: the stock BN), then the residual and
-    the activation"""
+    where stock channels-last BN measured imprecise here (without the C++ library: the stock BN) and, synchronized,
+    clfast's BN on the CPU or PyTorch's SyncBatchNorm elsewhere, then the residual and the activation"""
     z = guarded_conv(conv, x, conv.weight, conv.bias)
     synced = sync_group(bn) is not None
     if x.is_cpu and kernels_ready() and (synced or IMPRECISE_CL_BATCH_NORM.present()):

@@ -162,7 +162,8 @@ def test_unfused_bn_on_cpu_is_synchronized_by_clfast(one_rank_gloo, monkeypatch)
 def test_standalone_fused_module_converts(one_rank_gloo):
     """A FusedConvBN2d built directly runs its child `bn`: converted (as PyTorch converts: a new BN over the same
     parameters and buffers put in its place), it synchronizes and unfolds to SyncBatchNorm"""
-    from clfast.fused import FusedConvBN2d, is_sync_bn
+    from clfast.fused import FusedConvBN2d
+    from clfast.bn import is_sync_bn
     from clfast.fuse import convert_sync_batchnorm
     f = FusedConvBN2d(3, 4, 3, padding=1)
     bn = f.bn

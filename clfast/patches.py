@@ -10,13 +10,13 @@ from dataclasses import dataclass
 # %% auto #0
 __all__ = ['PATCHES', 'Patch', 'install', 'installed']
 
-# %% ../nbs/07_patches.ipynb #7a53930c
+# %% ../nbs/07_patches.ipynb #ebeeea9b
 @dataclass(frozen=True)
 class Patch:
     "One change clfast makes to another library"
     target: str   # 'module:attribute.path' that changes, e.g. 'fastai.learner:Learner.to_channelslast'
     by: str       # the clfast module that installs it
-    kind: str     # 'adds' (a method fastai lacks), 'replaces', 'wraps' (calls the original), 'registers' (a kernel)
+    kind: str     # 'adds' (a method fastai lacks), 'replaces', 'wraps' (calls the original), 'registers' (a kernel), 'hooks' (a global hook)
     when: str     # 'import' (of `by`), else what installs it
     why: str
 
@@ -55,11 +55,15 @@ PATCHES = [
     Patch('torch.nn:SyncBatchNorm.convert_sync_batchnorm', 'clfast.fuse.syncbn', 'replaces', 'fuse_conv_bn, at its first call',
           "on a fused model PyTorch's converter would put a second, real BN behind each fused conv (BN applied twice, "
           "silently); clfast's synchronizes the fused layers in place and converts the rest as PyTorch does"),
+    Patch('torch.nn.modules.module:register_module_module_registration_hook', 'clfast.fuse.surgery', 'hooks',
+          'fuse_conv_bn, at its first call',
+          "a module put in place of a fused layer's BN, activation or conv (timm's freeze_batch_norm_2d) would run beside "
+          "the fused op, which still does the old one's work (a BN applied twice, silently): that layer then runs unfused"),
     Patch('timm.layers:convert_sync_batchnorm', 'clfast.fuse.syncbn', 'replaces', 'fuse_conv_bn, where timm is loaded',
           "as PyTorch's, for timm's converter (which keeps BatchNormAct2d's activation)"),
 ]
 
-# %% ../nbs/07_patches.ipynb #8ccdfc9a
+# %% ../nbs/07_patches.ipynb #28ee9630
 def install():
     "Install the patches made at import (each `by` module's), as `from clfast.all import *` does"
     for m in dict.fromkeys(p.by for p in PATCHES if p.when == 'import'): importlib.import_module(m)
@@ -74,6 +78,8 @@ def _resolve(target:str):
 def _in_effect(p:Patch) -> bool:
     if p.kind == 'registers':   # the AutocastCPU kernel: registered through clfast.amp's library
         return getattr(sys.modules.get(p.by), '_lstm_lib', None) is not None
+    if p.kind == 'hooks':   # torch's handle, kept by the module that installs the hook
+        return getattr(sys.modules.get(p.by), '_registration_hook', None) is not None
     obj = _resolve(p.target)
     fn = getattr(obj, '__func__', obj)
     return getattr(fn, '__module__', None) == p.by

@@ -281,3 +281,19 @@ def test_a_folded_bn_act_keeps_its_activation_when_pickled(act):
     want, folded = m(x), fold_conv_bn(m)
     for got in (folded, pickle.loads(pickle.dumps(folded)), stock_copy(folded)):
         torch.testing.assert_close(got(x), want, atol=1e-12, rtol=1e-12)
+
+@pytest.mark.parametrize('name', ['tv_resnet18', 'timm_resnet18', 'fastai_xresnet18'])
+def test_a_guarded_model_fuses_as_a_stock_one(name):
+    """`fuse_conv_bn(learn.model)` after `to_channelslast()`: the model is guarded (`guard_model`: on some CPUs every
+    conv a GuardedConv2d, every BN precise); it fuses as the stock model does, and computes it (against fp64)"""
+    torch.manual_seed(0)
+    ref = randomize_bn(MODELS[name]())
+    m = copy.deepcopy(ref).to(memory_format=torch.channels_last)
+    guard_model(m, 'cpu')
+    want = fusion_report(fuse_conv_bn(copy.deepcopy(ref))).fused
+    assert fusion_report(fuse_conv_bn(m)).fused == want and len(want) > 0
+    x = torch.randn(2, 3, 64, 64).to(memory_format=torch.channels_last)
+    for train in (True, False):
+        m.train(train); ref.train(train)
+        with torch.no_grad(): torch.testing.assert_close(m(x).double(), ref.double()(x.double()), rtol=1e-3, atol=1e-4)
+        ref.float()

@@ -24,6 +24,8 @@ def test_every_patch_in_the_source_is_listed():
                 found.add((mod, node.args[0].attr))
             if isinstance(node, ast.Call) and getattr(node.func, 'attr', None) == 'impl' and ast.unparse(node).startswith('_lstm_lib'):
                 found.add((mod, 'input'))
+            if isinstance(node, ast.Call) and str(getattr(node.func, 'id', '')).startswith('register_module_'):
+                found.add((mod, node.func.id))   # torch's global hooks on every nn.Module
             if isinstance(node, ast.Assign):
                 for t in node.targets:   # nn.SyncBatchNorm.x = ..., sys.modules[name].x = ... (another library's attribute)
                     if isinstance(t, ast.Attribute) and ast.unparse(t).startswith(('nn.', 'sys.modules[', 'torch.')) \
@@ -48,7 +50,7 @@ def test_patches_are_in_effect_where_and_when_listed():
     assert out.splitlines() == ['[]', '[]', "['torch:ops.aten.lstm.input']"], out
 
 def test_each_patch_says_why():
-    assert all(p.why and p.kind in ('adds', 'replaces', 'wraps', 'registers') and p.by.startswith('clfast.') for p in PATCHES)
+    assert all(p.why and p.kind in ('adds', 'replaces', 'wraps', 'registers', 'hooks') and p.by.startswith('clfast.') for p in PATCHES)
     assert len({p.target for p in PATCHES}) == len(PATCHES)
 
 def test_clfast_callbacks_in_either_import_order():

@@ -21,7 +21,7 @@ from ..stock import rebuilt, replace_modules
 # %% auto #0
 __all__ = ['FoldedConv2d', 'fold_conv_bn']
 
-# %% ../../nbs/24e_fuse_fold.ipynb #35bf145a
+# %% ../../nbs/24e_fuse_fold.ipynb #990cad57
 class FoldedConv2d(_FusedMixin, nn.Conv2d):
     "A conv with BN folded into its weights, then (+ residual) (→ activation); pickles as a stock `nn.Conv2d`"
     _stock_class, _own_attrs = nn.Conv2d, ('act', 'act_param', 'onednn', 'surgical', '_packed')
@@ -122,5 +122,6 @@ def fold_conv_bn(model:nn.Module, inplace:bool=False, onednn:bool=True) -> nn.Mo
     report.pointwise = to_pointwise(m)
     for c in m.modules():  # a folded model is not undone by unfuse_conv_bn: its BNs are gone
         if isinstance(c, _FusedMixin): c.__dict__['surgical'] = False
+        c.__dict__.pop('_fused_by', None)   # an activation the folded conv applies: the identity, whatever hooks it
     _reports[m] = report
     return m

@@ -1,0 +1,147 @@
+"""A fused model's modules swapped after fusing, synchronized by a converter bound before fusing, or hooked: each computes
+as the stock model does, checked against the stock model in float64"""
+import copy, subprocess, sys, warnings
+import pytest, torch, torchvision
+from torch import nn
+from timm.layers import freeze_batch_norm_2d
+from fastai.callback.hook import ActivationStats
+from fastai.data.core import DataLoaders
+from fastai.learner import Learner
+from clfast.core import ClfastWarning
+from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, fusion_report
+import clfast.callback   # noqa: F401 (Learner.to_channelslast)
+
+def _max_diff(model, stock, x, train=True):
+    "The largest difference of `model(x)` from the float64 `stock(x)`, in training or eval mode"
+    model.train(train); stock.train(train)
+    with torch.no_grad(): return (model(x).double() - stock.double()(x.double())).abs().max().item()
+
+def _busy_stats(m):
+    "Running statistics far from a fresh BN's, so that eval mode shows a BN applied twice or not at all"
+    with torch.no_grad():
+        for b in m.modules():
+            if isinstance(b, nn.BatchNorm2d): b.running_mean.uniform_(-1, 1); b.running_var.uniform_(0.5, 2)
+    return m
+
+def _chain():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+
+X = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+@pytest.mark.parametrize('model', ['resnet18', 'chain'])
+def test_bn_frozen_after_fusing(model):
+    "timm's freeze_batch_norm_2d after fusing: each fused layer runs its conv, then the FrozenBatchNorm2d (once, not twice)"
+    torch.manual_seed(0)
+    m = _busy_stats(torchvision.models.resnet18(num_classes=10) if model == 'resnet18' else _chain())
+    stock = freeze_batch_norm_2d(copy.deepcopy(m))
+    fuse_conv_bn(m)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        m = freeze_batch_norm_2d(m)
+    assert len([w for w in said if w.category is ClfastWarning and 'FrozenBatchNorm2d' in str(w.message)]) <= 1
+    for train in (True, False): assert _max_diff(m, stock, X, train) < 1e-4
+
+def test_activation_and_conv_swapped_after_fusing():
+    torch.manual_seed(0)
+    m = fuse_conv_bn(_busy_stats(_chain()))
+    with pytest.warns(ClfastWarning, match=r"a SiLU was put in place of Sequential\.2.*now runs unfused"):
+        m[2] = nn.SiLU()
+    m[3] = nn.Conv2d(8, 8, 1)
+    stock = unfuse_conv_bn(copy.deepcopy(m))
+    assert [type(a) for a in stock] == [nn.Conv2d, nn.BatchNorm2d, nn.SiLU, nn.Conv2d, nn.BatchNorm2d, nn.ReLU]
+    for train in (True, False): assert _max_diff(m, stock, X, train) < 1e-4
+
+def test_block_activation_swapped_after_fusing():
+    "A fused block never calls its activation module: one put in its place makes it run its stock forward"
+    torch.manual_seed(0)
+    m = fuse_conv_bn(_busy_stats(torchvision.models.resnet18(num_classes=10)))
+    m.layer1[0].relu = nn.SiLU()
+    assert m.layer1[0].opened and m.layer1[1].opened is None
+    stock = unfuse_conv_bn(copy.deepcopy(m))
+    for train in (True, False): assert _max_diff(m, stock, X, train) < 1e-4
+
+def test_timm_bn_act_swapped_after_fusing():
+    "timm's BatchNormAct2d carries its activation: one swapped inside the fused BN opens its chain"
+    timm = pytest.importorskip('timm')
+    torch.manual_seed(0)
+    m = fuse_conv_bn(_busy_stats(timm.create_model('efficientnet_b0', num_classes=10)))
+    m.bn1.act = nn.ReLU()
+    m.blocks[1][0].bn1.act = nn.Tanh()   # inside a fused InvertedResidual block
+    stock = unfuse_conv_bn(copy.deepcopy(m))
+    # training: the stock model in fp32 is itself 1e-3 from fp64 here (deep; the last maps 1x1, 4 values per channel)
+    for train, tol in ((True, 5e-3), (False, 1e-4)): assert _max_diff(m, stock, X, train) < tol
+
+def test_hooks_see_the_stock_modules_work():
+    """A forward hook on a fused BN sees the BN's own output (not the fused layer's, after the activation); the hooked
+    chain runs unfused while the hook is there, fused again once it is removed"""
+    torch.manual_seed(0)
+    m = _busy_stats(torchvision.models.resnet18(num_classes=10))
+    stock = copy.deepcopy(m).double()
+    fuse_conv_bn(m)
+    seen = {}
+    def keep(name): return lambda mod, args, out: seen.__setitem__(name, out.detach().clone())
+    hooks = [m.layer2[0].bn1.register_forward_hook(keep('block')), m.bn1.register_forward_hook(keep('stem')),
+             stock.layer2[0].bn1.register_forward_hook(keep('block64')), stock.bn1.register_forward_hook(keep('stem64'))]
+    stock.relu.inplace = False   # (torchvision's in-place ReLU would change the hooked tensor after the hook)
+    for train in (True, False): assert _max_diff(m, stock, X, train) < 1e-4
+    for k in ('block', 'stem'):
+        assert seen[k].min() < 0   # before the ReLU
+        assert (seen[k].double() - seen[k + '64']).abs().max() < 1e-4
+    for h in hooks: h.remove()
+    assert not m.conv1.runs_unfused() and not m.layer2[0].runs_unfused()
+    t = torch.randn(2, 64, 4, 4)
+    assert m.bn1(t) is t   # a pass-through again
+
+def _learner(model, n=8):
+    "A Learner over one batch of `n` images and labels (train and valid), recording fastai's ActivationStats"
+    g = torch.Generator().manual_seed(1)
+    ds = list(zip(torch.randn(n, 3, 32, 32, generator=g), torch.randint(0, 10, (n,), generator=g)))
+    return Learner(DataLoaders.from_dsets(ds, ds, bs=n, device='cpu'), model, loss_func=nn.CrossEntropyLoss(),
+                   cbs=ActivationStats())
+
+def test_activation_stats_of_a_fused_learner():
+    """fastai's ActivationStats on a learner fused by `to_channelslast(fuse=...)` records the stock modules'
+    activations: those of the stock model's convs, BNs and linear layer (fastai's `has_params` modules) in float64"""
+    torch.manual_seed(0)
+    m = torchvision.models.resnet18(num_classes=10)
+    stock, want = copy.deepcopy(m).double().train(), []
+    layers = [l for l in stock.modules() if not list(l.children()) and list(l.parameters())]
+    for l in layers: l.register_forward_hook(lambda mod, args, o: want.append((o.mean().item(), o.std().item())))
+    learn = _learner(m).to_channelslast(use_amp=False, fuse='speed')
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', ClfastWarning)
+        learn.fit(1, lr=0.)
+    assert fusion_report(learn.model).fused
+    stock(learn.dls.train.one_batch()[0].double())
+    got = learn.activation_stats.stats[0]
+    assert len(got) == len(want) == 41   # 20 convs, 20 BNs, the head's linear layer
+    for g, (mean, std) in zip(got, want):
+        assert abs(g['mean'] - mean) < 1e-4 * (1 + abs(mean)) and abs(g['std'] - std) < 1e-4 * (1 + std)
+
+ONE_LINER = r"""
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group('gloo', init_method='file://{init}', rank=0, world_size=1)
+from clfast.fuse import fuse_conv_bn
+torch.manual_seed(0)
+m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+with torch.no_grad(): m[1].running_var.fill_(4.); m[4].running_mean.fill_(1.)
+stock = [__import__('copy').deepcopy(m).double()]
+m = nn.SyncBatchNorm.convert_sync_batchnorm(fuse_conv_bn(m))   # PyTorch's converter, taken before fuse_conv_bn installs clfast's
+x = torch.randn(4, 3, 8, 8)
+for train in (True, False):
+    m.train(train); stock[0].train(train)
+    with torch.no_grad(): print(float((m(x).double() - stock[0](x.double())).abs().max()))
+assert all(any(c._fused_bn is b for b in m.modules()) for c in m.modules() if '_fused_bn' in c.__dict__)
+dist.destroy_process_group()
+"""
+
+def test_pytorchs_converter_bound_before_fusing(tmp_path):
+    """`nn.SyncBatchNorm.convert_sync_batchnorm(fuse_conv_bn(m))` takes PyTorch's own converter (installed before
+    clfast's): the root's children still convert by clfast's, and each fused conv runs the synchronized BN, so eval
+    mode reaches it. In a fresh process: in this one clfast's converter is installed by earlier tests"""
+    r = subprocess.run([sys.executable, '-c', ONE_LINER.format(init=tmp_path/'init')], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    diffs = [float(l) for l in r.stdout.split()]
+    assert len(diffs) == 2 and max(diffs) < 1e-5, diffs

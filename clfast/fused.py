@@ -41,7 +41,7 @@ def conv_geometry(conv:nn.Conv2d) -> ConvGeometry|None:
         pad = tuple(s//2 for s in span)
     return ConvGeometry(tuple(conv.stride), tuple(pad), tuple(conv.dilation), conv.groups)
 
-# %% ../nbs/23_fused.ipynb #4ba2eded
+# %% ../nbs/23_fused.ipynb #2ea235ed
 def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|None=None, act:str|nn.Module|bool|None=None,
                 act_param:float=0., mode:str='speed') -> Tensor:
     "`act(bn(conv(x)) + residual)` as one fused op, updating `bn`'s running statistics like the stock module"
@@ -83,6 +83,7 @@ def _stock_bn(bn:nn.Module, z:Tensor) -> Tensor:
     if z.is_cpu and kernels_ready() and (synced or IMPRECISE_CL_BATCH_NORM.present()):
         with no_autocast(z.device.type):   # `clfast.bn`'s precise BN, which synchronizes on the CPU (PyTorch's cannot)
             return fused_conv_bn(z, None, None, bn.weight, bn.bias, **bn_args(bn))
+    if not isinstance(bn, nn.Module): return bn.stock_forward(z)   # channels of a BN (timm's MixedConv2d: clfast.fuse.blocks)
     if synced:   # PyTorch's SyncBatchNorm over bn's state (a pass-through of one is a BatchNorm2d: DDP on the CPU)
         return nn.SyncBatchNorm.forward(bn if isinstance(bn, nn.SyncBatchNorm) else bn._stock_view(), z)
     return nn.BatchNorm2d.forward(bn, z)   # BN's rules, whatever bn's class now (a SyncBatchNorm's, not synchronizing)

@@ -8,7 +8,7 @@ import copy, copyreg
 from torch import nn
 
 # %% auto #0
-__all__ = ['AsStock', 'rebuilt', 'replace_modules', 'need_module', 'stock_copy']
+__all__ = ['AsStock', 'rebuilt', 'replace_modules', 'need_module', 'observer', 'hooked', 'stock_copy']
 
 # %% ../nbs/18_stock.ipynb #d4cc79cb
 class AsStock:
@@ -72,6 +72,18 @@ def need_module(model, who:str, learner_way:str|None=None) -> nn.Module:
                f"`torchvision.models.{model}()`")
     else: why = f"got {type(model).__name__}"
     raise TypeError(f"{who} takes an nn.Module, {why}")
+
+# %% ../nbs/18_stock.ipynb #fb8fe6a2
+def observer(hook):
+    "`hook`, marked as one of clfast's own observers, which `hooked` does not count"
+    hook._clfast_observer = True
+    return hook
+
+def hooked(m:nn.Module|None) -> bool:
+    "Whether module `m` has hooks of its own (clfast's `observer`s aside), which must see the stock module's work"
+    if m is None or not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks): return False
+    return any(not getattr(h, '_clfast_observer', False) for d in (m._forward_hooks, m._forward_pre_hooks,
+               m._backward_hooks, m._backward_pre_hooks) for h in d.values())
 
 # %% ../nbs/18_stock.ipynb #9e1e9491
 def stock_copy(model:nn.Module) -> nn.Module:

@@ -358,3 +358,15 @@ def test_audit_models_zoo(tmp_path):
     events = df.events_forward + df.events_backward
     assert (events[['resnet18', 'resnet50', 'squeezenet1_0', 'mnasnet0_5']] == 0).all()
     assert df.worst_module['vgg11'] == '(root) (VGG)' and df.worst_module['shufflenet_v2_x1_0'] == 'stage2.0 (InvertedResidual)'
+
+def test_a_fused_model_is_audited_fused():
+    """The audit hooks every module; a hook makes a fused layer run as its stock modules (`clfast.fused`), but the
+    audit's are clfast's own observers: a fused model is audited as it trains, fused"""
+    from clfast.fuse import fuse_conv_bn
+    from clfast.stock import observer
+    m = fuse_conv_bn(torchvision.models.resnet18(num_classes=10)).to(memory_format=torch.channels_last)
+    unfused = []
+    for chain in (m.conv1, m.layer1[0].conv2, m.layer1[0]):   # a chain, a chain in a block, the block
+        chain.register_forward_pre_hook(observer(lambda mod, args: unfused.append(mod.runs_unfused())))
+    audit(m, torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last))
+    assert unfused == [False, False, False]

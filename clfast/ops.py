@@ -234,7 +234,7 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #b7c1e0a2
+# %% ../nbs/21_ops.ipynb #007f5d2e
 class _LayerStep(torch.autograd.Function):
     """`clfast::conv_bn_act`'s autograd node in Python: `csrc/layer_op.cpp`'s `ConvBnAct` line for line (the same kernel
     ops, the same saved tensors; outputs, gradients and running statistics bit for bit). It runs where the C++ library
@@ -284,19 +284,26 @@ class _LayerStep(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("clfast's fused conv-BN has no double backward (create_graph=True): unfuse the model "
                                "(clfast.fuse.unfuse_conv_bn) for higher-order gradients")
-        if dout is None: return (None,) * 17
+        synced = ctx.training and bool(ctx.group)
+        # no gradient and nothing to exchange: none. A synchronized layer's ranks all join its exchange below, whatever
+        # gradient reached each: a rank whose batch was empty gets none from the layer above (its input's had no
+        # elements), and skipping the exchange would leave the others waiting in it
+        if dout is None and not synced: return (None,) * 17
         x, weight, bias, y, params, residual, out = ctx.saved_tensors
         needs = list(ctx.needs_input_grad[:6])
         res_through_act = needs[5] and _act_of(ctx.act).name != 'none'
-        if dout.dtype != x.dtype: dout = dout.to(x.dtype)
+        if dout is not None and dout.dtype != x.dtype: dout = dout.to(x.dtype)
         def bwd(y, needs, means):
             if ctx.direct: return _as_inputs(_triton()._layer_bwd(dout, x, weight, bias, y, params, residual, out, ctx.geom,
                                                                  ctx.training, ctx.act, ctx.act_param, needs, means), x, weight)
             return torch.ops.clfast.layer_bwd(dout, x, weight, bias, y, params, residual,
                                               x.new_empty(0) if out is None else out, *ctx.geom, ctx.training,
                                               ctx.act, ctx.act_param, needs, means)
-        if ctx.training and ctx.group:   # this rank's two per-channel sums, summed over the ranks, then dy from their means
+        if synced:   # this rank's two per-channel sums, summed over the ranks, then dy from their means
             if y.numel() == 0: y = _conv(x, weight, bias, ctx.geom).contiguous(memory_format=torch.channels_last)
+            # no gradient reached this rank's output: zeros, as SyncBatchNorm's autograd materializes them (no elements
+            # for an empty batch; a full batch's input gradient is not zero: the other ranks' gradient means reach it)
+            if dout is None: dout = torch.zeros_like(y, dtype=x.dtype)
             _, _, _, sum_dzx, sum_dz, _ = bwd(y, [False, False, False, True, True, False], None)
             means = torch.ops.clfast.synced_grad_means(sum_dz, sum_dzx, y, ctx.group)
             dx, dw, db, _, _, dres = bwd(y, [*needs[:3], False, False, res_through_act], means)
@@ -304,6 +311,9 @@ class _LayerStep(torch.autograd.Function):
         else: dx, dw, db, dbw, dbb, dres = bwd(y, [*needs[:5], res_through_act], None)
         if needs[5] and not res_through_act: dres = dout   # no activation: dresidual is dout
         grads = [g if need and g is not None and g.numel() else None for need, g in zip(needs, (dx, dw, db, dbw, dbb, dres))]
+        # an empty batch's input gradients have no elements, but are there: the layers above run their backward on them
+        if needs[0] and grads[0] is None and x.numel() == 0: grads[0] = torch.zeros_like(x)
+        if needs[5] and grads[5] is None and dout.numel() == 0: grads[5] = dout   # (the residual has out's shape)
         grads[3:5] = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads[3:5], ctx.bn_dtypes)]
         return (*grads, *([None] * 11))
 

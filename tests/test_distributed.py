@@ -13,9 +13,9 @@ def _spawn(fn, *args):
     "Run `fn(rank, *args)` in `WORLD` fresh processes; an exception in any rank is raised here (the others are killed)"
     mp.start_processes(fn, args=args, nprocs=WORLD, join=True, start_method='spawn')
 
-def _init(rank:int, init:str):
+def _init(rank:int, init:str, timeout:float=TIMEOUT):
     dist.init_process_group('gloo', init_method=f'file://{init}', rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=TIMEOUT))
+                            timeout=timedelta(seconds=timeout))
     torch.set_num_threads(1)   # two ranks on two cores
 
 def _net() -> nn.Sequential:
@@ -104,6 +104,144 @@ def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, 
     if mode == 'off': sync = {k: f'Precise{v}' for k, v in sync.items()}
     sync['BatchNorm1d'] = 'PreciseSyncBatchNorm'   # never fused: clfast's SyncBatchNorm on the CPU in every mode
     assert sorted(ranks[0]['kinds']) == sorted(sync.get(type(m).__name__, type(m).__name__) for m in _net().modules())
+
+# A rank whose batch is empty (the last batch of a split that does not divide evenly, `drop_last=False`): every
+# synchronized BN's exchange still has every rank in it, in forward and in backward
+EMPTY_TIMEOUT, EPS, MOMENTUM = 30, 1e-5, 0.1
+
+def _empty_rank_model(kind:str) -> nn.Module:
+    "'precise': a head of two BatchNorm1d on [N, C] rows, clfast's precise SyncBatchNorm; 'fused': conv-BN-ReLU and a BasicBlock (three fused layers, one with the residual add)"
+    import torchvision
+    torch.manual_seed(0)
+    if kind == 'precise':
+        m = nn.Sequential(nn.BatchNorm1d(6), nn.Linear(6, 4, bias=False), nn.ReLU(), nn.BatchNorm1d(4), nn.Linear(4, 3))
+    else:
+        m = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                          torchvision.models.resnet.BasicBlock(4, 4))
+    with torch.no_grad():
+        for bn in m.modules():
+            if isinstance(bn, (nn.BatchNorm1d, nn.BatchNorm2d)): bn.weight.uniform_(0.5, 1.5); bn.bias.uniform_(-0.5, 0.5)
+    return m
+
+def _empty_rank_data(kind:str, n:int):
+    "The batch of every rank together, and the weights of the loss `(out * r).sum()`"
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 6, generator=g) * 2 + 1 if kind == 'precise' else torch.randn(n, 3, 5, 5, generator=g) * 2 + 1
+    return x, torch.randn(n, 3 if kind == 'precise' else 4, *x.shape[2:], generator=g)
+
+def _empty_rank_worker(rank, init, out, kind, kernels, runs):
+    import faulthandler
+    faulthandler.dump_traceback_later(4 * EMPTY_TIMEOUT, exit=True)   # a hang outside a collective ends the test too
+    if kernels == 'triton': os.environ.update(CLFAST_KERNELS='triton', TRITON_INTERPRET='1')   # CUDA's code path
+    from clfast.bn import make_precise, is_sync_bn
+    from clfast.fuse import fuse_conv_bn
+    if kernels == 'python-op':   # the layer op's Python autograd node (a GPU machine's), not the C++ one
+        from clfast import ops
+        ops._layer_op = lambda x: ops._conv_bn_act
+    _init(rank, init, EMPTY_TIMEOUT)
+    try:
+        res = []
+        for sizes in runs:   # one group, one run after the other: a collective one rank skipped would pair wrongly
+            model = _empty_rank_model(kind)
+            if kind == 'precise':
+                for i, m in enumerate(model):
+                    if isinstance(m, nn.BatchNorm1d): model[i] = make_precise(m, sync=True)
+            else:   # fused first, then converted (not in one expression: it would look the converter up before
+                # fuse_conv_bn installs clfast's in PyTorch's place, and the stock one misses the first layer's BN)
+                fuse_conv_bn(model)
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model).to(memory_format=torch.channels_last)
+                assert all(is_sync_bn(m.fused_bn) for m in model.modules() if hasattr(m, 'fused_bn'))
+            x, r = _empty_rank_data(kind, sum(sizes))
+            lo, n = sum(sizes[:rank]), sizes[rank]
+            xs = x[lo:lo + n].contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.contiguous_format)
+            xs.requires_grad_()
+            ddp = DDP(model)   # kept until backward is done: its reducer averages the gradients
+            pred = ddp(xs)
+            ((pred * r[lo:lo + n]).sum() * WORLD).backward()   # DDP averages: the gradient of the whole batch's loss
+            res.append(dict(out=pred.detach(), dx=xs.grad, kinds=[type(m).__name__ for m in model.modules()],
+                            grads={k: p.grad for k, p in model.named_parameters()},
+                            state={k: v.detach().clone() for k, v in model.state_dict().items()}))
+        torch.save(res, f"{out}/rank{rank}.pt")
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        dist.destroy_process_group()
+
+def _bn64(y, w, b):
+    "Training BatchNorm in float64, by its formulas: the output, and what its backward takes"
+    dims = [d for d in range(y.dim()) if d != 1]
+    sh = [1, -1] + [1] * (y.dim() - 2)
+    mean, var = y.mean(dims), y.var(dims, unbiased=False)
+    invstd = (var + EPS).rsqrt()
+    xhat = (y - mean.view(sh)) * invstd.view(sh)
+    return xhat * w.view(sh) + b.view(sh), (xhat, invstd, w, dims, sh, mean, y.var(dims, unbiased=True))
+
+def _bn64_back(g, saved):
+    "BatchNorm's backward in float64, by its formulas: dy, dweight, dbias"
+    xhat, invstd, w, dims, sh, _, _ = saved
+    mean_dz = lambda t: t.mean(dims, keepdim=True)
+    dx = (w * invstd).view(sh) * (g - mean_dz(g) - xhat * mean_dz(g * xhat))
+    return dx, (g * xhat).sum(dims), g.sum(dims)
+
+def _empty_rank_reference(kind:str, n:int):
+    """The model on the whole batch in float64, forward and backward by hand (matrix products, `torch.nn.grad`'s conv
+    gradients and BatchNorm's formulas): out, dx, the parameters' gradients and the BNs' saved statistics by name"""
+    from torch.nn.grad import conv2d_input, conv2d_weight
+    p = {k: v.double() for k, v in _empty_rank_model(kind).state_dict().items()}
+    x, r = (t.double() for t in _empty_rank_data(kind, n))
+    bn = lambda y, name: _bn64(y, p[f'{name}.weight'], p[f'{name}.bias'])
+    grads, stats = {}, {}
+    def bn_back(g, name, saved):
+        dy, grads[f'{name}.weight'], grads[f'{name}.bias'] = _bn64_back(g, saved)
+        stats[name] = saved[5:]
+        return dy
+    if kind == 'precise':
+        z0, s0 = bn(x, '0'); h = z0 @ p['1.weight'].T; a = h.clamp_min(0)
+        z3, s3 = bn(a, '3'); out = z3 @ p['4.weight'].T + p['4.bias']
+        grads['4.weight'], grads['4.bias'] = r.T @ z3, r.sum(0)
+        ga = bn_back(r @ p['4.weight'], '3', s3) * (h > 0)
+        grads['1.weight'] = ga.T @ z0
+        dx = bn_back(ga @ p['1.weight'], '0', s0)
+        return out, dx, grads, stats
+    conv = lambda t, name: F.conv2d(t, p[name], padding=1)
+    conv_back = lambda g, t, name: (conv2d_input(t.shape, p[name], g, padding=1), conv2d_weight(t, p[name].shape, g, padding=1))
+    z0, s0 = bn(conv(x, '0.weight'), '1'); a = z0.clamp_min(0)
+    z1, s1 = bn(conv(a, '3.conv1.weight'), '3.bn1'); h = z1.clamp_min(0)
+    z2, s2 = bn(conv(h, '3.conv2.weight'), '3.bn2'); out = (z2 + a).clamp_min(0)
+    g2 = r * (out > 0)
+    gh, grads['3.conv2.weight'] = conv_back(bn_back(g2, '3.bn2', s2), h, '3.conv2.weight')
+    ga, grads['3.conv1.weight'] = conv_back(bn_back(gh * (h > 0), '3.bn1', s1), a, '3.conv1.weight')
+    dx, grads['0.weight'] = conv_back(bn_back((ga + g2) * (a > 0), '1', s0), x, '0.weight')
+    return out, dx, grads, stats
+
+@pytest.mark.parametrize('kind,kernels', [('precise', 'cpu'), ('fused', 'cpu'), ('fused', 'python-op'),
+                                          ('fused', 'triton')])
+def test_synchronized_bn_with_an_empty_rank(tmp_path, kind, kernels):
+    """Ranks with batches of 8 and 0 rows, then 0 and 8, synchronized (clfast's precise SyncBatchNorm on a BatchNorm1d
+    head; fused conv-BN layers, one with a residual add, converted with `nn.SyncBatchNorm.convert_sync_batchnorm`) under
+    DDP: nobody waits (the empty rank joins every exchange), the full rank's output and input gradient are the model's
+    on its 8 rows alone (float64, by hand), the empty rank's have no rows, both ranks end with the same parameter
+    gradients (the 8 rows') and running statistics (updated from the 8 rows)"""
+    runs = [(8, 0), (0, 8)]
+    _spawn(_empty_rank_worker, str(tmp_path/'init'), str(tmp_path), kind, kernels, runs)
+    ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(WORLD)]
+    out, dx, grads, stats = _empty_rank_reference(kind, 8)
+    synced = 'PreciseSyncBatchNorm' if kind == 'precise' else 'PassThroughSyncBatchNorm'
+    for i, sizes in enumerate(runs):
+        full, empty = (ranks[r][i] for r in (sizes.index(8), sizes.index(0)))
+        assert synced in full['kinds'], full['kinds']
+        assert empty['out'].shape == (0, *out.shape[1:]) and empty['dx'].shape == (0, *dx.shape[1:])
+        assert _rel(full['out'], out) < 1e-6, f"out: rel {_rel(full['out'], out):.2e}"
+        # the loss was scaled by WORLD for DDP's average of the parameters' gradients: the input's is not averaged
+        assert _rel(full['dx'] / WORLD, dx) < 1e-5, f"dx: rel {_rel(full['dx'] / WORLD, dx):.2e}"
+        assert full['grads'].keys() == grads.keys()
+        for k, want in grads.items():
+            assert torch.equal(full['grads'][k], empty['grads'][k]), f"ranks disagree on {k}'s gradient"
+            assert _rel(full['grads'][k], want) < 1e-5, f"{k}: rel {_rel(full['grads'][k], want):.2e}"
+        for name, (mean, var) in stats.items():
+            for k, want in (('running_mean', MOMENTUM * mean), ('running_var', 1 - MOMENTUM + MOMENTUM * var)):
+                assert torch.equal(full['state'][f'{name}.{k}'], empty['state'][f'{name}.{k}']), f"ranks disagree on {name}.{k}"
+                assert _rel(full['state'][f'{name}.{k}'], want) < 1e-6, f"{name}.{k}: rel {_rel(full['state'][f'{name}.{k}'], want):.2e}"
+            assert full['state'][f'{name}.num_batches_tracked'].item() == empty['state'][f'{name}.num_batches_tracked'].item() == 1
 
 def _reinit_worker(rank, init):
     "A process group destroyed and made again (a notebook re-running its setup) gets fresh collectives, not stale ones"

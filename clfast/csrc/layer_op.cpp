@@ -230,7 +230,14 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
     TORCH_CHECK(!at::GradMode::is_enabled(), "clfast's fused conv-BN has no double backward (create_graph=True): "
                 "unfuse the model (clfast.fuse.unfuse_conv_bn) for higher-order gradients");
     variable_list result(kArgs);
-    if (!grads[0].defined()) return result;
+    auto& d = ctx->saved_data;
+    const bool training = d["training"].toBool();
+    const std::string group = d["group"].toStringRef();
+    const bool synced = training && !group.empty();
+    // no gradient (autograd's undefined one: zeros) and nothing to exchange: none. A synchronized layer's ranks all
+    // join its exchange below, whatever gradient reached each: a rank whose batch was empty gets none from the layer
+    // above (its input's had no elements), and skipping the exchange would leave the others waiting in it
+    if (!grads[0].defined() && !synced) return result;
     // unpacked before autograd's keys are excluded: a non-reentrant gradient checkpoint recomputes its block inside
     // this call, and the block's other ops must record their autograd (and save their tensors) as in the forward
     const auto saved = ctx->get_saved_variables();
@@ -240,22 +247,22 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
     const Tensor empty = x.new_empty({0});
     const Tensor out = saved[6].defined() ? saved[6] : empty;
     Tensor y = saved[3].defined() ? saved[3] : empty;  // empty: the 'memory' mode, recomputed by the kernel
-    auto& d = ctx->saved_data;
     const Geometry g{d["stride"].toIntVector(), d["padding"].toIntVector(), d["dilation"].toIntVector(),
                      d["groups"].toInt()};
     const int64_t act = d["act"].toInt();
     const double act_param = d["act_param"].toDouble();
-    const bool training = d["training"].toBool();
-    const std::string group = d["group"].toStringRef();
     std::array<bool, 6> needs{};
     const auto was_given = d["given"].toBoolList();
     for (size_t i = 0, edge = 0; i < 6; ++i)
       if (was_given[i]) needs[i] = ctx->needs_input_grad(edge++);
     const bool res_through_act = needs[5] && act != clfast_cpu::act::kNone;
-    const Tensor dout = grads[0].to(x.scalar_type());
+    Tensor dout = grads[0].defined() ? grads[0].to(x.scalar_type()) : Tensor();
     Tensor dx, dw, db, dbw, dbb, dres;
-    if (training && !group.empty()) {  // this rank's two per-channel sums, summed over the ranks, then dy from their means
+    if (synced) {  // this rank's two per-channel sums, summed over the ranks, then dy from their means
       if (no_elements(y)) y = conv(x, weight, bias, g);  // once, for both passes
+      // no gradient reached this rank's output: zeros, as SyncBatchNorm's autograd materializes them (no elements for
+      // an empty batch; a full batch's input gradient is not zero: the other ranks' gradient means reach it)
+      if (!dout.defined()) dout = at::zeros_like(y, y.options().dtype(x.scalar_type()));
       auto [_x, _w, _b, sum_dzx, sum_dz, _r] = layer_bwd(dout, x, weight, bias, y, params, residual, out, g, training, act,
                                                          act_param, {false, false, false, true, true, false}, std::nullopt);
       const Tensor means = synced_grad_means(sum_dz, sum_dzx, y, group);
@@ -273,6 +280,9 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
     const Tensor got[6] = {dx, dw, db, dbw, dbb, dres};
     for (size_t i = 0; i < 6; ++i)
       if (needs[i] && got[i].defined() && !no_elements(got[i])) result[i] = got[i];
+    // an empty batch's input gradients have no elements, but are there: the layers above run their backward on them
+    if (needs[0] && !result[0].defined() && no_elements(x)) result[0] = at::zeros_like(x);
+    if (needs[5] && !result[5].defined() && no_elements(dout)) result[5] = dout;  // (the residual has out's shape)
     for (auto [i, key] : {std::pair<size_t, const char*>{3, "bn_weight_dtype"}, {4, "bn_bias_dtype"}})
       if (result[i].defined()) result[i] = result[i].to(at::ScalarType(d[key].toInt()));
     return result;

@@ -58,6 +58,7 @@ def test_block_activation_swapped_after_fusing():
     m = fuse_conv_bn(_busy_stats(torchvision.models.resnet18(num_classes=10)))
     m.layer1[0].relu = nn.SiLU()
     assert m.layer1[0].opened and m.layer1[1].opened is None
+    assert fusion_report(m).opened == [('layer1.0', "SiLU put in place of its ReLU ('relu')")]
     stock = unfuse_conv_bn(copy.deepcopy(m))
     for train in (True, False): assert _max_diff(m, stock, X, train) < 1e-4
 

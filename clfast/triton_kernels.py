@@ -43,7 +43,7 @@ def _sum_partials(ps_ptr, cols, cmask, C, P, BLOCK_P: tl.constexpr, BLOCK_C: tl.
         q += tl.sum(tl.load(pq_ptr + offs, mask=mask, other=0, volatile=True), axis=0)
     return s, q
 
-# %% ../nbs/20_triton_kernels.ipynb #812b0db5
+# %% ../nbs/20_triton_kernels.ipynb #2e76cf92
 @triton.jit
 def _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
     "Rows 1-3 of `params`, `invstd, scale, shift`, from the per-channel mean and variance and the affine weight and bias"
@@ -64,12 +64,13 @@ def _lerp(start, end, w):
 @triton.jit
 def _update_running(mean, var, cols, cmask, rm_ptr, rv_ptr, w, correction):
     """The running mean and variance at `cols` `lerp`ed by `w` towards the batch's `mean` and `var` (the biased
-    variance, times Bessel's `correction`), in the running statistics' dtype"""
-    rdt = rm_ptr.dtype.element_ty
-    rm = tl.load(rm_ptr + cols, mask=cmask, other=0)
-    rv = tl.load(rv_ptr + cols, mask=cmask, other=0)
-    tl.store(rm_ptr + cols, _lerp(rm, mean.to(rdt), w), mask=cmask)
-    tl.store(rv_ptr + cols, _lerp(rv, (var * correction).to(rdt), w), mask=cmask)
+    variance, times Bessel's `correction`): in the statistics' dtype (fp32 for half-precision running statistics, as
+    ATen computes in its accumulate type), rounded once to the running statistics' dtype"""
+    rdt, acc = rm_ptr.dtype.element_ty, mean.dtype
+    rm = tl.load(rm_ptr + cols, mask=cmask, other=0).to(acc)
+    rv = tl.load(rv_ptr + cols, mask=cmask, other=0).to(acc)
+    tl.store(rm_ptr + cols, _lerp(rm, mean, w).to(rdt), mask=cmask)
+    tl.store(rv_ptr + cols, _lerp(rv, var * correction, w).to(rdt), mask=cmask)
 
 @triton.jit
 def _stats(x_ptr, ps_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, out_ptr, rm_ptr, rv_ptr, nbt_ptr, kr_ptr, M, Cq, rows_per, P,
@@ -111,7 +112,7 @@ def _stats(x_ptr, ps_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, out_ptr, rm_ptr, rv_ptr
             tl.store(out_ptr + 4 * C + cols, var, mask=cmask)
             _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, out_ptr, C, HAS_W, HAS_B)
         else: tl.store(out_ptr + C + cols, var, mask=cmask)
-        if RUNNING: _update_running(mean, var, cols, cmask, rm_ptr, rv_ptr, tl.load(kr_ptr).to(rm_ptr.dtype.element_ty),
+        if RUNNING: _update_running(mean, var, cols, cmask, rm_ptr, rv_ptr, tl.load(kr_ptr).to(eps.dtype),
                                     tl.load(kr_ptr + 1).to(eps.dtype))
         if NBT:
             if pid_c == 0: tl.store(nbt_ptr, tl.load(nbt_ptr) + 1)
@@ -176,7 +177,7 @@ def _act_grad_from_out(out, p, ACT: tl.constexpr):
     # act'(act(z)) == act'(z) for these (what `grad_from_out` means): the derivative's formula at out
     return _act_grad(out, p, ACT)
 
-# %% ../nbs/20_triton_kernels.ipynb #25d2dc03
+# %% ../nbs/20_triton_kernels.ipynb #a70b4678
 @triton.jit
 def _params(mean_ptr, var_ptr, w_ptr, b_ptr, k_ptr, prm_ptr, C,
             HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -201,9 +202,8 @@ def _running(prm_ptr, rm_ptr, rv_ptr, nbt_ptr, k_ptr, C, HAS_STATS: tl.constexpr
         n = tl.load(nbt_ptr) + 1
         tl.store(nbt_ptr, n)
     if HAS_STATS:
-        rdt = rm_ptr.dtype.element_ty
-        if CUMULATIVE: w = (1 / n.to(acc)).to(rdt)
-        else: w = tl.load(k_ptr).to(rdt)
+        if CUMULATIVE: w = 1 / n.to(acc)
+        else: w = tl.load(k_ptr).to(acc)
         correction = tl.load(k_ptr + 1).to(acc)
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)

@@ -75,9 +75,11 @@ def test_reductions_leave_their_counters_zero():
         assert torch.equal(a, b)
 
 @pytest.mark.parametrize('momentum', [0.1, None, 0.75])
-@pytest.mark.parametrize('running_dt', [F32, F64])
+@pytest.mark.parametrize('running_dt', [F32, F64, F16])
 def test_update_running(momentum, running_dt):
-    "BatchNorm's bookkeeping in one launch: the count, and the running averages as `F.batch_norm` updates them in fp64"
+    """BatchNorm's bookkeeping in one launch: the count, and the running averages as `F.batch_norm` updates them in
+    fp64; half-precision ones (a `model.half()`) computed in fp32 and rounded once, as ATen does: within half an ulp.
+    (Not bf16 here: Triton's interpreter truncates fp32 to bf16, where a GPU rounds to nearest)"""
     y = torch.randn(4, 70, 3, 5, dtype=F64) * 3 + 1
     prm = torch.stack([y.mean((0, 2, 3)), y.new_zeros(70), y.new_zeros(70), y.new_zeros(70),
                        y.var((0, 2, 3), unbiased=False)]).to(acc_dtype(running_dt))
@@ -87,6 +89,11 @@ def test_update_running(momentum, running_dt):
     F.batch_norm(y, want_m, want_v, training=True, momentum=1 / 7 if momentum is None else momentum)
     tk.update_running(rm, rv, nbt, prm, momentum, 4 * 3 * 5)
     assert nbt.item() == 7
+    if running_dt == F16:   # rounded once: at most half an ulp of the fp64 result (and fp32's error)
+        for got, want in ((rm, want_m), (rv, want_v)):
+            ulp = torch.finfo(running_dt).eps * 2. ** torch.floor(torch.log2(want.abs()))
+            assert ((got.double() - want).abs() <= 0.5 * ulp + 1e-6 * want.abs()).all(), running_dt
+        return
     tol = TOL[running_dt]
     torch.testing.assert_close(rm.double(), want_m, **tol)
     torch.testing.assert_close(rv.double(), want_v, **tol)

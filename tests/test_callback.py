@@ -315,3 +315,45 @@ def test_to_channelslast_again_keeps_the_users_event_functions():
         _fit(learn.to_channelslast(amp_mode='bf16'))
         assert ('after_fit', True) in seen and ('before_batch', True) in seen, (cls, seen)
         assert len(learn.cbs.filter(lambda cb: isinstance(cb, (ChannelsLast, fastai_cl.ChannelsLast)))) == 1
+
+def test_fits_and_predictions_keep_the_models_modules(monkeypatch):
+    """`ChannelsLast` guards the model again at each `before_fit` (fastai runs one in `fit`, `predict`, `get_preds`
+    and `validate`): a model guarded already keeps every module object (each guarded conv and precise BN was
+    unguarded and guarded anew, a new object at every fit), so a module the user holds stays the model's: a fastai hook
+    on it fires, and an attribute set on it acts"""
+    from fastai.callback.hook import hook_output
+    from clfast import timing
+    from clfast.guard import IMPRECISE_CL_BATCH_NORM
+    from clfast.routes import GuardedConv2d, SLOW_BF16_BACKWARD
+    from clfast.bn import PreciseBatchNorm2d
+    for k in (IMPRECISE_CL_BATCH_NORM, SLOW_BF16_BACKWARD):   # guarded as where these premises hold, whatever this CPU measured
+        monkeypatch.setitem(timing._here, f'premise:{k.name}', True)
+    learn = datasets_learner().to_channelslast(use_amp=False)
+    conv, bn = learn.model[1][0], learn.model[0][1]
+    assert type(conv) is GuardedConv2d and type(bn) is PreciseBatchNorm2d
+    ids = [id(m) for m in learn.model.modules()]
+    hook = hook_output(conv)
+    _fit(learn)
+    with learn.no_bar(): learn.predict(0)
+    assert [id(m) for m in learn.model.modules()] == ids
+    bn.momentum = 0.   # through the module held: the model's BN keeps its running statistics
+    stats, hook.stored = bn.running_mean.clone(), None
+    _fit(learn)
+    with learn.no_bar(): learn.get_preds()
+    assert [id(m) for m in learn.model.modules()] == ids and hook.stored is not None
+    assert torch.equal(learn.model[0][1].running_mean, stats)
+    hook.remove()
+
+def test_unguardable_conv_said_once_per_model(monkeypatch):
+    "A conv the guard cannot guard (not a stock nn.Conv2d) is said once for the model, not at `to_channelslast` and every fit"
+    from clfast import guard
+    class MyConv(nn.Conv2d): pass
+    # as if `check_channelslast` had found this geometry wrong here: a plan, on every machine
+    monkeypatch.setattr(guard, '_checked_failures', lambda: [guard._conv_params(nn.Conv2d(3, 8, 3, padding=1))])
+    learn = Learner(image_dls(), nn.Sequential(MyConv(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), Flatten(),
+                                               nn.Linear(8, 2)), loss_func=CrossEntropyLossFlat())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')   # each that clfast says, whatever line it names
+        learn.to_channelslast(use_amp=False); _fit(learn); _fit(learn)
+    said = [str(x.message) for x in w if 'cannot guard them' in str(x.message)]
+    assert len(said) == 1 and said[0].startswith('clfast guard: 0 (MyConv) would reach'), said

@@ -576,3 +576,57 @@ def test_guard_is_for_cpu_models_only(monkeypatch):
     cb = next(c for c in learn.cbs if type(c).__name__ == 'ChannelsLast')
     cb.before_validate()
     assert [type(m) for m in learn.model.modules()] == stock
+
+def _guarded_stem_net(monkeypatch):
+    """`thin_stem_learner`'s model channels-last, guarded here as where the bf16 backward and channels-last BN measured
+    slow and imprecise, and with its 3x3 conv found wrong by the numerics check: a plan, routes and precise BNs on every machine"""
+    from clfast.bn import PreciseBatchNorm2d
+    for k in (IMPRECISE_CL_BATCH_NORM, SLOW_BF16_BACKWARD): monkeypatch.setitem(timing._here, f'premise:{k.name}', True)
+    torch.manual_seed(0)
+    net = thin_stem_learner(3).model.to(memory_format=CL)
+    monkeypatch.setattr(guard, '_checked_failures', lambda: [guard._conv_params(net[1][0])])
+    report = guard_model(net)
+    assert type(net[1][0]) is GuardedConv2d and type(net[0][1]) is type(net[1][1]) is PreciseBatchNorm2d
+    assert '1.0' in [n for n, *_ in report] and guard_report(net) == report
+    return net, report
+
+def _ids(net): return [id(m) for m in net.modules()]
+def _clfast_types(net): return [type(m) for m in net.modules() if type(m).__module__.startswith('clfast')]
+
+def test_guard_follows_the_device_and_leaves_a_guarded_model_as_it_is(monkeypatch):
+    """Guarded on the CPU, then for another device ('meta': no GPU here): every module stock, as `unguard_model` leaves
+    it; back on the CPU: guarded as before, computing the same output and gradients; guarded again for the CPU, it
+    keeps every module object (each guarded conv and precise BN was unguarded and guarded anew, a new object)"""
+    net, report = _guarded_stem_net(monkeypatch)
+    types = [type(m) for m in net.modules()]
+    x = torch.randn(4, 3, 16, 16).to(memory_format=CL)
+    def run():
+        net.zero_grad(); xi = x.clone().requires_grad_()
+        y = net(xi); y.backward(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+        return [y.detach(), xi.grad] + [p.grad.clone() for p in net.parameters()]
+    before = run()
+    assert guard_model(net, 'meta') == [] and guard_report(net) == [] and _clfast_types(net) == []
+    stock = _ids(net)
+    assert guard_model(net, torch.device('meta')) == [] and _ids(net) == stock
+    assert guard_model(net, 'cpu') == report and [type(m) for m in net.modules()] == types
+    for got, want in zip(run(), before): torch.testing.assert_close(got, want)
+    guarded = _ids(net)
+    assert guard_model(net) == report and guard_model(net, 'cpu') == report and _ids(net) == guarded
+
+def test_guard_changes_only_the_modules_whose_state_differs(monkeypatch):
+    """Where a premise changes between two guards (the BN one measured or forgotten, the numerics check's findings),
+    only the modules it decides change: the BNs turn stock and precise again while every conv stays the same object;
+    a conv found wrong later gets its plan in place"""
+    from clfast.bn import PreciseBatchNorm2d
+    net, report = _guarded_stem_net(monkeypatch)
+    convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]
+    monkeypatch.setitem(timing._here, f'premise:{IMPRECISE_CL_BATCH_NORM.name}', False)
+    assert guard_model(net) == report and type(net[0][1]) is type(net[1][1]) is nn.BatchNorm2d
+    assert [m for m in net.modules() if isinstance(m, nn.Conv2d)] == convs   # (nn.Module compares by identity)
+    monkeypatch.setitem(timing._here, f'premise:{IMPRECISE_CL_BATCH_NORM.name}', True)
+    guard_model(net)
+    assert type(net[0][1]) is type(net[1][1]) is PreciseBatchNorm2d
+    bns = [net[0][1], net[1][1]]
+    monkeypatch.setattr(guard, '_checked_failures', lambda: [])   # the check's findings forgotten: the 3x3 conv routed per call only
+    assert '1.0' not in [n for n, *_ in guard_model(net)] and net[1][0]._cl_guard is None
+    assert [m for m in net.modules() if isinstance(m, nn.Conv2d)] == convs and [net[0][1], net[1][1]] == bns

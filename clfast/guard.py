@@ -20,8 +20,7 @@ from .routes import (MeasuredKernel, SHORT_INPUT_WGRAD, SLOW_BF16_BACKWARD, SLOW
 __all__ = ['CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM', 'MEASURED_KERNELS', 'guard_plan', 'unguard_model', 'model_device',
            'guard_model', 'guard_report']
 
-# %% ../nbs/05_guard.ipynb #641f2d10
-_guard_reports = weakref.WeakKeyDictionary()
+# %% ../nbs/05_guard.ipynb #6c04be21
 CHECK_CACHE = 'numerics_check'   # the `MachineCache` of `check_channelslast`'s results
 
 def _conv_params(conv:nn.Conv2d) -> dict:
@@ -57,7 +56,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None, isa:str|None=None):
         return GuardPlan(how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #6b5eedc6
+# %% ../nbs/05_guard.ipynb #16e6b229
 def unguard_model(model:nn.Module) -> nn.Module:
     "Remove every guard `guard_model` put on `model`, in place (guarded convs and precise BNs back to their stock classes); idempotent"
     need_module(model, 'unguard_model')
@@ -67,7 +66,6 @@ def unguard_model(model:nn.Module) -> nn.Module:
         # a precise SyncBatchNorm stays: on the CPU it is the only SyncBatchNorm that runs (PyTorch's has no CPU kernel)
         if type(m) is GuardedConv2d or (is_precise(m) and not is_sync_bn(m)): stock[m] = m._stock_module()
     replace_modules(model, stock)
-    _guard_reports.pop(model, None)
     return model
 
 IMPRECISE_CL_BATCH_NORM = MeasuredKernel(
@@ -129,8 +127,6 @@ def guard_model(model:nn.Module, device:torch.device|str|None=None) -> list:
             said.add(msg)
             from clfast.core import warn_user   # here: clfast.core imports fastai, which the guard need not
             warn_user(msg)
-    if guarded: _guard_reports[model] = guarded
-    else: _guard_reports.pop(model, None)
     return guarded
 
 def guard_report(model:nn.Module) -> list:

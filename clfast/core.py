@@ -141,10 +141,19 @@ def _param_format(t:Tensor, channels_last:bool):
     if not channels_last or cl_format(t) is None: return t.contiguous()
     return t.contiguous(memory_format=cl_format(t))
 
-# %% ../nbs/00_core.ipynb #eb2c2ce6
+# %% ../nbs/00_core.ipynb #0b985a3b
+def _in_format(t:Tensor|None, channels_last:bool) -> bool:
+    "Whether `model_to` would leave `t` as it is"
+    fmt = None if t is None else cl_format(t)
+    return fmt is None or t.is_contiguous(memory_format=fmt if channels_last else torch.contiguous_format)
+
 def model_to(model:nn.Module, channels_last:bool=True) -> nn.Module:
     "Convert `model`'s 4D/5D parameters, gradients and buffers to channels-last (or back to contiguous) in place"
     need_module(model, 'model_to')
+    # already so (`ChannelsLast` converts at every fit and validation, fastai's `predict` included): `_apply` would
+    # rebuild nothing, in milliseconds of Python over every module (resnet50)
+    if all(_in_format(p, channels_last) and _in_format(p.grad, channels_last) for p in model.parameters()) and \
+       all(_in_format(b, channels_last) for b in model.buffers()): return model
     return model._apply(lambda t: _param_format(t, channels_last) if cl_format(t) is not None else t)
 
 # %% ../nbs/00_core.ipynb #ebb72c4c

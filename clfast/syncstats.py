@@ -15,7 +15,7 @@ from .reference import acc_dtype
 # %% auto #0
 __all__ = []
 
-# %% ../nbs/21_syncstats.ipynb #fac8db96
+# %% ../nbs/21_syncstats.ipynb #5926bbbd
 def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
     "The name the ops know `pg` by; '' (no synchronization) for None or a group of one rank"
     if pg is None or dist.get_world_size(pg) == 1: return ''
@@ -69,6 +69,9 @@ def _message_rows(t:Tensor, pg:dist.ProcessGroup) -> Tensor:
     for q in reqs: q.wait()
     return torch.stack(every)
 
+# torch 2.13's name for `all_gather_into_tensor` (deprecated since); torch 2.4-2.12 (settings.ini admits 2.4) have only that
+_all_gather_single = getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor
+
 def _gather_rows(t:Tensor, group:str) -> Tensor:
     """Every rank's `[R, C]` float64 `t`, as `[world, R, C]` in rank order. A gather, not an all-reduce (cheaper for a
     few KB): NCCL all-gathers; gloo ranks on one host share memory, others exchange messages"""
@@ -76,7 +79,7 @@ def _gather_rows(t:Tensor, group:str) -> Tensor:
     pg, exchange = twin.group, twin.exchange
     if dist.get_backend(pg) != 'gloo':
         every = t.new_empty(dist.get_world_size(pg) * t.shape[0], t.shape[1])
-        dist.all_gather_single(every, t, group=pg)
+        _all_gather_single(every, t, group=pg)
         return every.view(-1, *t.shape)
     every = exchange.gather(t) if exchange is not None else None
     return every if every is not None else _message_rows(t, pg)

@@ -1,8 +1,8 @@
 """One fused training step against fp64, for the smoke run at another torch (tools/smoke_torch.sh): a fused conv-BN-ReLU
 layer's forward, backward and running statistics equal the stock modules' in fp64, and in fp32 stay within 3x of the
 stock fp32 step's error against fp64; the same inside a non-reentrant gradient checkpoint, on an input the block
-computes; and the kernels load without torch's 'No CUDA runtime is found' line. Prints what it ran; exits non-zero on
-a mismatch."""
+computes; the kernels load without torch's 'No CUDA runtime is found' line; and the all-gather of synchronized
+statistics a GPU runs (on a one-rank gloo group). Prints what it ran; exits non-zero on a mismatch."""
 import copy, os, subprocess, sys, tempfile, warnings, torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -47,3 +47,13 @@ with tempfile.TemporaryDirectory() as toolkit:   # a CUDA toolkit's folder and n
 print(f"loading the kernels where a CUDA toolkit and no GPU are: torch {'says' if 'No CUDA runtime' in said else 'says nothing'},"
       f" clfast {'says nothing' if ours.returncode == 0 and 'No CUDA runtime' not in ours.stderr else 'failed: ' + ours.stderr}")
 if ours.returncode or 'No CUDA runtime' in ours.stderr: sys.exit("FAIL: loading the kernels printed torch's CUDA warning")
+# the all-gather a GPU's synchronized layers run (NCCL): `all_gather_single` from torch 2.13, the older name before
+import torch.distributed as dist
+from clfast.syncstats import _all_gather_single
+dist.init_process_group('gloo', init_method=f"file://{tempfile.mktemp(prefix='clfast-smoke-')}", rank=0, world_size=1)
+rows = torch.arange(6, dtype=torch.float64).view(2, 3)
+every = torch.empty_like(rows)
+_all_gather_single(every, rows, group=dist.group.WORLD)
+dist.destroy_process_group()
+print(f"the synchronized layers' all-gather on this torch: {'right' if torch.equal(every, rows) else 'WRONG'}")
+if not torch.equal(every, rows): sys.exit("FAIL: the all-gather of synchronized BN statistics")

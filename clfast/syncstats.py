@@ -13,13 +13,19 @@ from .exchange import HostExchange, group_timeout
 from .reference import acc_dtype
 
 # %% auto #0
-__all__ = []
+__all__ = ['gloo_serves_cpu']
 
-# %% ../nbs/21_syncstats.ipynb #5926bbbd
+# %% ../nbs/21_syncstats.ipynb #2a6d633e
 def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
     "The name the ops know `pg` by; '' (no synchronization) for None or a group of one rank"
     if pg is None or dist.get_world_size(pg) == 1: return ''
     return pg.group_name
+
+def gloo_serves_cpu(pg:dist.ProcessGroup) -> bool:
+    """Whether gloo runs `pg`'s collectives of CPU tensors: a backend 'gloo', 'cpu:gloo', 'cpu:gloo,cuda:nccl', or what a
+    bare `init_process_group()` picks (torch names it 'undefined'); a test of the name missed all but the first"""
+    try: return isinstance(pg._get_backend(torch.device('cpu')), dist.ProcessGroupGloo)
+    except (RuntimeError, AttributeError): return False   # no CPU backend (NCCL alone), or a torch without gloo
 
 @dataclass
 class _Twin:
@@ -27,6 +33,7 @@ class _Twin:
     of: weakref.ref   # the process group it twins: weak, so a destroyed group is not kept alive by clfast
     group: dist.ProcessGroup
     exchange: Optional[HostExchange]
+    cpu_by_gloo: bool   # gloo runs its CPU tensors' collectives: a CPU model's rows by the exchange or messages
 
 _own_groups: dict[str, _Twin] = {}   # process group name -> its twin
 
@@ -57,7 +64,8 @@ def _twin(name:str) -> _Twin:
         # every rank of the group reaches its first synchronized layer, in the same order: they create the twin together
         twin = dist.new_group(dist.get_process_group_ranks(pg), backend=dist.get_backend(pg), timeout=group_timeout(pg),
                               use_local_synchronization=True)
-        t = _own_groups[name] = _Twin(weakref.ref(pg), twin, HostExchange.open(twin) if dist.get_backend(pg) == 'gloo' else None)
+        gloo = gloo_serves_cpu(twin)
+        t = _own_groups[name] = _Twin(weakref.ref(pg), twin, HostExchange.open(twin) if gloo else None, gloo)
     return t
 
 def _message_rows(t:Tensor, pg:dist.ProcessGroup) -> Tensor:
@@ -77,7 +85,7 @@ def _gather_rows(t:Tensor, group:str) -> Tensor:
     few KB): NCCL all-gathers; gloo ranks on one host share memory, others exchange messages"""
     twin = _twin(group)
     pg, exchange = twin.group, twin.exchange
-    if dist.get_backend(pg) != 'gloo':
+    if not (t.is_cpu and twin.cpu_by_gloo):   # a GPU's rows (NCCL)
         every = t.new_empty(dist.get_world_size(pg) * t.shape[0], t.shape[1])
         _all_gather_single(every, t, group=pg)
         return every.view(-1, *t.shape)

@@ -386,3 +386,38 @@ def test_torch_converter_replaced_only_once_a_model_is_fused():
         print('ok')""")
     p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert p.returncode == 0 and p.stdout.strip() == 'ok', p.stdout + p.stderr[-3000:]
+
+def _spelling_worker(rank, init, out, backend):
+    from clfast.fuse import fuse_conv_bn
+    from clfast.syncstats import _twin
+    dist.init_process_group(backend, init_method=f'file://{init}', rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=TIMEOUT))
+    torch.set_num_threads(1)
+    try:
+        m = nn.SyncBatchNorm.convert_sync_batchnorm(fuse_conv_bn(_spelled_net())).to(memory_format=torch.channels_last)
+        x = _spelled_batch()[rank * 4:(rank + 1) * 4].contiguous(memory_format=torch.channels_last)
+        y = m(x)
+        y.square().sum().backward()
+        torch.save(dict(y=y.detach(), kinds=[type(a).__name__ for a in m.modules()],
+                        shared=_twin(dist.group.WORLD.group_name).exchange is not None), f"{out}/rank{rank}.pt")
+    finally: dist.destroy_process_group()
+
+def _spelled_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4))
+
+def _spelled_batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(8, 3, 6, 6, generator=g) * torch.linspace(0.5, 3, 8).view(8, 1, 1, 1)
+
+@pytest.mark.parametrize('backend', [None, 'cpu:gloo'])
+def test_gloo_spelled_otherwise(tmp_path, backend):
+    """`init_process_group()` with no backend (torchrun's scripts; torch names it 'undefined' on a CPU machine) or
+    'cpu:gloo' is gloo for CPU tensors: the unfused BN becomes clfast's synchronized BN (PyTorch's SyncBatchNorm cannot
+    run on the CPU), the fused layer exchanges through shared memory, and both match fp64 over both ranks' batch"""
+    _spawn(_spelling_worker, str(tmp_path/'init'), str(tmp_path), backend)
+    want = _spelled_net().double()(_spelled_batch().double())
+    for rank in (0, 1):
+        got = torch.load(tmp_path/f"rank{rank}.pt")
+        assert 'SyncBatchNorm' not in got['kinds'] and got['shared'], got
+        torch.testing.assert_close(got['y'].double(), want[rank * 4:(rank + 1) * 4].detach(), rtol=1e-4, atol=1e-5)

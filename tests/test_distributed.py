@@ -421,3 +421,29 @@ def test_gloo_spelled_otherwise(tmp_path, backend):
         got = torch.load(tmp_path/f"rank{rank}.pt")
         assert 'SyncBatchNorm' not in got['kinds'] and got['shared'], got
         torch.testing.assert_close(got['y'].double(), want[rank * 4:(rank + 1) * 4].detach(), rtol=1e-4, atol=1e-5)
+
+def _unfuse_worker(rank, init, out):
+    from clfast.fuse import fuse_conv_bn, unfuse_conv_bn
+    _init(rank, init)
+    try:
+        m = nn.SyncBatchNorm.convert_sync_batchnorm(fuse_conv_bn(_spelled_net())).to(memory_format=torch.channels_last)
+        x = _spelled_batch()[rank * 4:(rank + 1) * 4].contiguous(memory_format=torch.channels_last)
+        DDP(m)(x).sum().backward()
+        unfuse_conv_bn(m)   # as learn.to_contiguous() does
+        m.zero_grad()
+        y = DDP(m)(x)
+        torch.save(dict(y=y.detach(), kinds=[type(a).__name__ for a in m.modules()]), f"{out}/rank{rank}.pt")
+    finally: dist.destroy_process_group()
+
+def test_unfused_after_synchronizing_trains_on_the_cpu(tmp_path):
+    """A fused model synchronized over gloo, then unfused (`unfuse_conv_bn`, `learn.to_contiguous()`): its BNs unfuse to
+    clfast's synchronized BN, which runs on the CPU (PyTorch's SyncBatchNorm refused: 'only work with GPU modules'); the
+    next step matches fp64 over both ranks' batch (the running statistics after one step: the model's BN layers')"""
+    _spawn(_unfuse_worker, str(tmp_path/'init'), str(tmp_path))
+    stock, x = _spelled_net().double(), _spelled_batch().double()
+    stock(x)   # the fused step's running statistics
+    want = stock(x)
+    for rank in (0, 1):
+        got = torch.load(tmp_path/f"rank{rank}.pt")
+        assert 'SyncBatchNorm' not in got['kinds'] and 'PreciseSyncBatchNorm' in got['kinds'], got['kinds']
+        torch.testing.assert_close(got['y'].double(), want[rank * 4:(rank + 1) * 4].detach(), rtol=1e-4, atol=1e-5)

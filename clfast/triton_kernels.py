@@ -43,7 +43,7 @@ def _sum_partials(ps_ptr, cols, cmask, C, P, BLOCK_P: tl.constexpr, BLOCK_C: tl.
         q += tl.sum(tl.load(pq_ptr + offs, mask=mask, other=0, volatile=True), axis=0)
     return s, q
 
-# %% ../nbs/20_triton_kernels.ipynb #2e76cf92
+# %% ../nbs/20_triton_kernels.ipynb #4a0b818e
 @triton.jit
 def _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
     "Rows 1-3 of `params`, `invstd, scale, shift`, from the per-channel mean and variance and the affine weight and bias"
@@ -66,9 +66,9 @@ def _update_running(mean, var, cols, cmask, rm_ptr, rv_ptr, w, correction):
     """The running mean and variance at `cols` `lerp`ed by `w` towards the batch's `mean` and `var` (the biased
     variance, times Bessel's `correction`): in the statistics' dtype (fp32 for half-precision running statistics, as
     ATen computes in its accumulate type), rounded once to the running statistics' dtype"""
-    rdt, acc = rm_ptr.dtype.element_ty, mean.dtype
-    rm = tl.load(rm_ptr + cols, mask=cmask, other=0).to(acc)
-    rv = tl.load(rv_ptr + cols, mask=cmask, other=0).to(acc)
+    rdt = rm_ptr.dtype.element_ty   # (one name a statement: Triton's compiler takes no tuple of dtypes)
+    rm = tl.load(rm_ptr + cols, mask=cmask, other=0).to(mean.dtype)
+    rv = tl.load(rv_ptr + cols, mask=cmask, other=0).to(mean.dtype)
     tl.store(rm_ptr + cols, _lerp(rm, mean, w).to(rdt), mask=cmask)
     tl.store(rv_ptr + cols, _lerp(rv, var * correction, w).to(rdt), mask=cmask)
 

@@ -84,7 +84,7 @@ def _rel(a, b): return ((a.double() - b.double()).norm() / b.double().norm().cla
 def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, sizes, kernels, exchange):
     """2 ranks x B samples, fused (or not: every BN a `clfast.bn` precise SyncBatchNorm, as PyTorch's has no CPU kernel)
     and synchronized, train as one process on the same 2B samples (stock, fp64): parameters and running statistics
-    after 3 SGD steps; the ranks agree exactly; unfusing gives SyncBatchNorm back"""
+    after 3 SGD steps; the ranks agree exactly; unfusing gives clfast's synchronized BN, which runs on the CPU"""
     _spawn(_sync_worker, str(tmp_path/'init'), str(tmp_path), mode, order, dtype, sizes, kernels, exchange)
     ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(WORLD)]
     from clfast.exchange import STORES_IN_ORDER
@@ -100,9 +100,8 @@ def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, 
         assert torch.equal(got, ranks[1]['state'][k]), f"ranks disagree on {k}"
         if k.endswith('num_batches_tracked'): assert got.item() == want.item() == 3
         else: assert _rel(got, want) < tol, f"{k}: rel {_rel(got, want):.2e}"
-    sync = {'BatchNorm2d': 'SyncBatchNorm', 'BatchNormAct2d': 'SyncBatchNormAct'}   # timm's converter's choice
-    if mode == 'off': sync = {k: f'Precise{v}' for k, v in sync.items()}
-    sync['BatchNorm1d'] = 'PreciseSyncBatchNorm'   # never fused: clfast's SyncBatchNorm on the CPU in every mode
+    # timm's converter's choice, as clfast's synchronized BN: on the CPU, fused or not, unfused it runs (PyTorch's cannot)
+    sync = {'BatchNorm2d': 'PreciseSyncBatchNorm', 'BatchNormAct2d': 'PreciseSyncBatchNormAct', 'BatchNorm1d': 'PreciseSyncBatchNorm'}
     assert sorted(ranks[0]['kinds']) == sorted(sync.get(type(m).__name__, type(m).__name__) for m in _net().modules())
 
 # A rank whose batch is empty (the last batch of a split that does not divide evenly, `drop_last=False`): every

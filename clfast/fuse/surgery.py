@@ -209,7 +209,7 @@ class _Tracer(fx.Tracer):
         return (isinstance(m, (nn.Conv2d, _BatchNorm, _FusedMixin)) or _conv_kind(m) is not None or act_of(m) is not None
                 or self.fuser.is_block(m) or super().is_leaf_module(m, qualname))
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #0a6407d5
+# %% ../../nbs/24d_fuse_surgery.ipynb #86c0b37e
 def is_fused(model:nn.Module) -> bool:
     "True if `fuse_conv_bn` fused anything in `model` (a standalone `FusedConvBN2d` does not count: it is not undone)"
     need_module(model, 'is_fused')
@@ -235,9 +235,9 @@ def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Mo
     return _precise_cpu_sync(model)
 
 def _precise_cpu_sync(model:nn.Module) -> nn.Module:
-    "`model` with each PyTorch SyncBatchNorm on the CPU, which cannot run there, as clfast's precise one, which can"
+    "`model` with each PyTorch (or timm) SyncBatchNorm on the CPU, which cannot run there, as clfast's precise one, which can"
     return replace_modules(model, {m: make_precise(m) for m in model.modules()
-                                   if type(m) is nn.SyncBatchNorm and _on_cpu(m) and cpu_sync_capable(m)})
+                                   if isinstance(m, nn.SyncBatchNorm) and _on_cpu(m) and cpu_sync_capable(m)})
 
 def unfuse_conv_bn(model:nn.Module) -> nn.Module:
     "Turn every module `fuse_conv_bn` fused back into its stock class in place (a synchronized BN on the CPU: clfast's precise one, which runs there); idempotent"

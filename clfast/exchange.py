@@ -76,7 +76,7 @@ def _shape_text(w) -> str:
     ndim, dims, n = int(w[0]), [int(d) for d in w[1:5]], int(w[5])
     return f"[{', '.join(map(str, dims[:ndim]))}{', ...' if ndim > 4 else ''}] ({n} values)"
 
-# %% ../nbs/26_exchange.ipynb #3a92ce86
+# %% ../nbs/26_exchange.ipynb #5527fc29
 class HostExchange:
     "Rows to and from every rank of a process group on one host, through a file that all of them map (see above)"
     def __init__(self, words:Tensor, rank:int, ranks:list[int], pids:list[int], timeout:float, watch:bool):
@@ -144,10 +144,14 @@ class HostExchange:
         if n <= CAPACITY: self.bufs[self.rank, b, :n].copy_(t.reshape(-1))
         self.own[b] = words   # a too-large tensor's shape too: a peer that gives a small one must hear of it
         self.seqs[self.rank] = k   # published after the rows and their shape
+        differ = None
         for p in range(len(self.ranks)):
             if p != self.rank:
                 self._wait(p, k)
-                if self.shapes[p, b].tobytes() != mine: self._differ(p, b, words)
+                if differ is None and self.shapes[p, b].tobytes() != mine: differ = p
+        # raised once every peer has published: a rank that went on sooner could reach exchange k + 2, whose rows and
+        # shape overwrite this buffer, while a slower peer still reads exchange k's (3 ranks, one of them late)
+        if differ is not None: self._differ(differ, b, words)
         if n > CAPACITY: return None
         return self.bufs[:, b, :n].to(t.device, copy=True).view(len(self.ranks), *t.shape)
 

@@ -180,6 +180,12 @@ def _shapes_worker(rank, n, init):
     ex = HostExchange.open(dist.group.WORLD)
     odd = rank == n - 1   # the last rank's model has 8 channels where the others' have 4
     c, other = (8, 4) if odd else (4, 8)
+    if rank == 1 and n > 2:   # a slow reader, as on the loaded machine where this failed: rank 1 sees the last rank's
+        wait = ex._wait        # first exchange published and reads its shape a second later; a rank that raised on
+        def slow(p, k):        # the first peer that differed went on two exchanges sooner, overwriting that shape
+            wait(p, k)
+            if (p, k) == (n - 1, 1): time.sleep(1.)
+        ex._wait = slow
     with pytest.raises(RuntimeError, match=rf'different shapes: rank {rank} gives \[3, {c}\] \({3 * c} values\), '
                        rf'rank \d gives \[3, {other}\] .*same model'):
         ex.gather(torch.ones(3, c))

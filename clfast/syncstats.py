@@ -15,7 +15,7 @@ from .reference import acc_dtype
 # %% auto #0
 __all__ = ['gloo_serves_cpu']
 
-# %% ../nbs/21_syncstats.ipynb #2a6d633e
+# %% ../nbs/21_syncstats.ipynb #adec7bde
 def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
     "The name the ops know `pg` by; '' (no synchronization) for None or a group of one rank"
     if pg is None or dist.get_world_size(pg) == 1: return ''
@@ -34,6 +34,7 @@ class _Twin:
     group: dist.ProcessGroup
     exchange: Optional[HostExchange]
     cpu_by_gloo: bool   # gloo runs its CPU tensors' collectives: a CPU model's rows by the exchange or messages
+    made: bool   # `group` is clfast's own twin, destroyed with it; False: the user's group itself (a subgroup's)
 
 _own_groups: dict[str, _Twin] = {}   # process group name -> its twin
 
@@ -48,7 +49,7 @@ def _release_twins(every:bool=False):
     for name, t in list(_own_groups.items()):
         if every or not _registered(t.of()) or not _registered(t.group):
             del _own_groups[name]
-            if _registered(t.group): dist.destroy_process_group(t.group)
+            if t.made and _registered(t.group): dist.destroy_process_group(t.group)
 
 atexit.register(_release_twins, every=True)
 
@@ -56,16 +57,21 @@ def _twin(name:str) -> _Twin:
     """The group the layers' collectives run on, a twin of the group named `name` (same ranks, backend and timeout)
     made on first use, and for gloo its shared-memory exchange when every rank is on this host (`clfast.exchange`).
     Collectives of one group run in order: on the group itself, each layer's small gather in backward would wait
-    behind DDP's gradient all-reduces of the same group instead of overlapping them"""
+    behind DDP's gradient all-reduces of the same group instead of overlapping them.
+    A group of part of the world's ranks is its own twin: a group made by its ranks alone moves torch's group counter
+    on those ranks only (torch 2.14), and every later `new_group` of the whole world hangs, its ranks rendezvousing
+    under different names"""
     pg = dist.distributed_c10d._resolve_process_group(name)
     t = _own_groups.get(name)
     if t is None or t.of() is not pg:   # a new group may reuse a destroyed one's name
         _release_twins()
-        # every rank of the group reaches its first synchronized layer, in the same order: they create the twin together
-        twin = dist.new_group(dist.get_process_group_ranks(pg), backend=dist.get_backend(pg), timeout=group_timeout(pg),
-                              use_local_synchronization=True)
+        ranks = dist.get_process_group_ranks(pg)
+        made = len(ranks) == dist.get_world_size()
+        # every rank of the world reaches its first synchronized layer, in the same order: they create the twin together
+        twin = dist.new_group(ranks, backend=dist.get_backend(pg), timeout=group_timeout(pg),
+                              use_local_synchronization=True) if made else pg
         gloo = gloo_serves_cpu(twin)
-        t = _own_groups[name] = _Twin(weakref.ref(pg), twin, HostExchange.open(twin) if gloo else None, gloo)
+        t = _own_groups[name] = _Twin(weakref.ref(pg), twin, HostExchange.open(twin) if gloo else None, gloo, made)
     return t
 
 def _message_rows(t:Tensor, pg:dist.ProcessGroup) -> Tensor:

@@ -1,6 +1,6 @@
 """Multi-process training with real processes: 2 ranks on gloo over loopback, spawned by each test and bounded in time
 (every collective times out after `TIMEOUT` s, and a rank that raises ends the test with its error)."""
-import copy, os, socket, subprocess, sys, textwrap, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
+import copy, faulthandler, os, socket, subprocess, sys, textwrap, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
 from pathlib import Path
 import torch.nn.functional as F
 from datetime import timedelta
@@ -9,12 +9,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 WORLD, TIMEOUT = 2, 120
 
-def _spawn(fn, *args):
-    "Run `fn(rank, *args)` in `WORLD` fresh processes; an exception in any rank is raised here (the others are killed)"
-    mp.start_processes(fn, args=args, nprocs=WORLD, join=True, start_method='spawn')
+def _spawn(fn, *args, world:int=WORLD):
+    "Run `fn(rank, *args)` in `world` fresh processes; an exception in any rank is raised here (the others are killed)"
+    mp.start_processes(fn, args=args, nprocs=world, join=True, start_method='spawn')
 
-def _init(rank:int, init:str, timeout:float=TIMEOUT):
-    dist.init_process_group('gloo', init_method=f'file://{init}', rank=rank, world_size=WORLD,
+def _init(rank:int, init:str, timeout:float=TIMEOUT, world:int=WORLD):
+    dist.init_process_group('gloo', init_method=f'file://{init}', rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout))
     torch.set_num_threads(1)   # two ranks on two cores
 
@@ -262,6 +262,43 @@ def _reinit_worker(rank, init):
         dist.destroy_process_group()
 
 def test_process_group_made_again(tmp_path): _spawn(_reinit_worker, str(tmp_path/'init'))
+
+def _subgroup_worker(rank, init, out):
+    """Ranks 0 and 1 synchronize over a subgroup, rank 2 trains alone; afterwards the whole world makes a group
+    (a later `new_group`, as a user's evaluation or a second subgroup split would)"""
+    from clfast.fuse import fuse_conv_bn, convert_sync_batchnorm
+    from clfast.syncstats import _twin
+    _init(rank, init, timeout=30, world=3)
+    sub = dist.new_group([0, 1])   # every rank makes every group (torch's rule), uses its own
+    torch.manual_seed(0); m = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU()).double()
+    fuse_conv_bn(m)
+    if rank < 2: m = convert_sync_batchnorm(m, process_group=sub)
+    x = _data(14)[0].double()[4 * rank:4 * rank + 4 + rank]   # 4, 5 and 6 samples (rows 0-3, 4-8, 8-13)
+    m(x).sum().backward()
+    faulthandler.dump_traceback_later(60, exit=True)   # a rendezvous that hangs is bounded by no collective's timeout
+    later = dist.new_group([0, 1, 2])
+    seen = torch.tensor([float(rank)]); dist.all_reduce(seen, group=later)
+    shared = _twin(sub.group_name).exchange is not None if rank < 2 else None
+    torch.save(dict(mean=m.state_dict()['1.running_mean'], seen=seen, shared=shared), f"{out}/rank{rank}.pt")
+    faulthandler.cancel_dump_traceback_later()
+    dist.barrier(); dist.destroy_process_group()
+
+def test_subgroup_synchronized_then_a_world_group(tmp_path):
+    """Synchronizing over a subgroup of the world leaves every rank's group counter alike: a later world group forms
+    (it hung: the twin group made by the subgroup's ranks alone moved their counter only). The subgroup's ranks share
+    its batch statistics, fp64 reference; the rank outside keeps its own"""
+    _spawn(_subgroup_worker, str(tmp_path/'init'), str(tmp_path), world=3)
+    ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(3)]
+    assert [r['seen'].item() for r in ranks] == [3.0] * 3
+    x = _data(14)[0].double()
+    torch.manual_seed(0); conv = nn.Conv2d(3, 4, 3, bias=False).double()   # the workers' conv
+    with torch.no_grad():
+        both, alone = conv(x[:9]), conv(x[8:14])
+    assert torch.equal(ranks[0]['mean'], ranks[1]['mean'])
+    assert _rel(ranks[0]['mean'], 0.1 * both.mean((0, 2, 3))) < 1e-12
+    assert _rel(ranks[2]['mean'], 0.1 * alone.mean((0, 2, 3))) < 1e-12
+    from clfast.exchange import STORES_IN_ORDER
+    assert [r['shared'] for r in ranks] == [STORES_IN_ORDER] * 2 + [None]   # the subgroup's own shared memory
 
 def _failing_worker(rank, init):
     _init(rank, init)

@@ -13,7 +13,7 @@ from torch import Tensor
 # %% auto #0
 __all__ = ['CAPACITY', 'STORES_IN_ORDER', 'group_timeout', 'HostExchange']
 
-# %% ../nbs/26_exchange.ipynb #c8f1cba2
+# %% ../nbs/26_exchange.ipynb #4ed6f1ab
 CAPACITY = 16384   # float64 values per buffer (128 KiB); a larger exchange goes through gloo's messages
 # int64 words before a slot's buffers, two 64-byte cache lines: 0 the sequence number, 1 the token (slot 0), 2-3 unused,
 # 4-9 and 10-15 the shape of buffer 0's and buffer 1's rows (`_shape_words`)
@@ -59,6 +59,25 @@ def _watchable(pids:list[int], namespaces:list, mine) -> bool:
 def _shared_dir() -> str:
     return '/dev/shm' if os.path.isdir('/dev/shm') and os.access('/dev/shm', os.W_OK) else tempfile.gettempdir()
 
+def _file_prefix(ns) -> str:
+    "The start of the names of exchange files made in PID namespace `ns`; their maker's pid follows"
+    return 'clfast-exchange-' + ('' if ns is None else f'{ns[0]:x}.{ns[1]:x}-')
+
+def _sweep(where:str):
+    """Remove the exchange files in `where` whose maker, a process of this PID namespace, is gone: a first rank killed
+    inside `open` before it unlinked its file. Files of live processes, or of other namespaces (containers sharing
+    `/dev/shm`, whose pids mean nothing here), are left alone"""
+    ns = _pid_namespace()
+    if ns is None: return
+    prefix = _file_prefix(ns)
+    try: names = os.listdir(where)
+    except OSError: return
+    for name in names:
+        pid = name[len(prefix):].split('-', 1)[0] if name.startswith(prefix) else ''
+        if pid.isdigit() and not _alive(int(pid)):
+            try: os.unlink(os.path.join(where, name))
+            except OSError: pass   # another user's, or swept by another rank 0 just now
+
 def _reserve(fd:int, size:int):
     """Give the file `fd` `size` bytes with every page allocated: a full filesystem raises OSError (ENOSPC) here, where
     the ranks can still fall back together, not SIGBUS at the first store to a page it has no room for (`ftruncate`
@@ -76,7 +95,7 @@ def _shape_text(w) -> str:
     ndim, dims, n = int(w[0]), [int(d) for d in w[1:5]], int(w[5])
     return f"[{', '.join(map(str, dims[:ndim]))}{', ...' if ndim > 4 else ''}] ({n} values)"
 
-# %% ../nbs/26_exchange.ipynb #5527fc29
+# %% ../nbs/26_exchange.ipynb #e8fa9922
 class HostExchange:
     "Rows to and from every rank of a process group on one host, through a file that all of them map (see above)"
     def __init__(self, words:Tensor, rank:int, ranks:list[int], pids:list[int], timeout:float, watch:bool):
@@ -101,7 +120,9 @@ class HostExchange:
         try:
             if me == 0 and wanted:
                 try:
-                    fd, made = tempfile.mkstemp(prefix='clfast-exchange-', dir=_shared_dir())
+                    where = _shared_dir()
+                    _sweep(where)
+                    fd, made = tempfile.mkstemp(prefix=f'{_file_prefix(_pid_namespace())}{os.getpid()}-', dir=where)
                     try: _reserve(fd, nwords * 8)
                     finally: os.close(fd)
                     words = torch.from_file(made, shared=True, size=nwords, dtype=torch.int64)

@@ -1,7 +1,7 @@
 """`clfast.exchange.HostExchange` with real processes (gloo over loopback, file init): rows in rank order over many
 exchanges with ranks out of step, every rank falling back together (opted out, no shared file, no room for it), a peer
 that exits or stalls ending the wait (and one in another PID namespace not watched), no file left when a peer dies
-during `open`, a waiting rank sleeping, ranks giving rows of different shapes all raising"""
+during `open` (and one left by a killed first rank swept by the next), a waiting rank sleeping, ranks giving rows of different shapes all raising"""
 import errno, glob, os, random, shutil, subprocess, sys, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
 from datetime import timedelta
 from pathlib import Path
@@ -130,6 +130,36 @@ def _leak_worker(rank, n, init, shared):
 def test_a_peer_dying_during_open_leaves_no_file(tmp_path):
     (tmp_path/'shm').mkdir()
     _spawn(_leak_worker, 2, str(tmp_path/'init'), str(tmp_path/'shm'))
+
+def _killed_worker(rank, n, init, shared):
+    "The first rank killed outright (SIGKILL: the OOM killer) between making its file and unlinking it"
+    import clfast.exchange as ex, signal
+    ex._shared_dir = lambda: shared
+    ex._reserve = lambda fd, size: os.kill(os.getpid(), signal.SIGKILL)
+    _init(rank, n, init)
+    HostExchange.open(dist.group.WORLD)
+
+def _open_worker(rank, n, init, shared):
+    import clfast.exchange as ex
+    ex._shared_dir = lambda: shared
+    _init(rank, n, init)
+    assert HostExchange.open(dist.group.WORLD) is not None
+    dist.destroy_process_group()
+
+def test_a_file_left_by_a_killed_first_rank_is_swept(tmp_path):
+    """A killed first rank leaves its file; the next `open` on the host removes it, and leaves alone the files of live
+    makers (this process) and of other PID namespaces (another container's pid means nothing here)"""
+    from clfast.exchange import _file_prefix, _pid_namespace
+    if _pid_namespace() is None: pytest.skip("no /proc/self/ns/pid: makers cannot be told alive")
+    shared = tmp_path/'shm'; shared.mkdir()
+    with pytest.raises(mp.ProcessExitedException, match='SIGKILL'): _spawn(_killed_worker, 1, str(tmp_path/'init0'), str(shared))
+    left = os.listdir(shared)
+    assert len(left) == 1 and left[0].startswith(_file_prefix(_pid_namespace()))
+    live = shared/f'{_file_prefix(_pid_namespace())}{os.getpid()}-x'
+    foreign = shared/f'{_file_prefix((1, 2))}{left[0][len(_file_prefix(_pid_namespace())):]}'   # the dead pid, elsewhere
+    live.touch(); foreign.touch()
+    _spawn(_open_worker, 1, str(tmp_path/'init1'), str(shared))
+    assert sorted(os.listdir(shared)) == sorted([live.name, foreign.name])
 
 def _idle_worker(rank, n, init, out):
     _init(rank, n, init)

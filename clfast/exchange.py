@@ -11,9 +11,9 @@ import numpy as np, torch, torch.distributed as dist
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['CAPACITY', 'STORES_IN_ORDER', 'group_timeout', 'HostExchange']
+__all__ = ['CAPACITY', 'STORES_IN_ORDER', 'group_timeout', 'shapes_differ', 'HostExchange']
 
-# %% ../nbs/26_exchange.ipynb #4ed6f1ab
+# %% ../nbs/26_exchange.ipynb #1fa3edbd
 CAPACITY = 16384   # float64 values per buffer (128 KiB); a larger exchange goes through gloo's messages
 # int64 words before a slot's buffers, two 64-byte cache lines: 0 the sequence number, 1 the token (slot 0), 2-3 unused,
 # 4-9 and 10-15 the shape of buffer 0's and buffer 1's rows (`_shape_words`)
@@ -95,7 +95,15 @@ def _shape_text(w) -> str:
     ndim, dims, n = int(w[0]), [int(d) for d in w[1:5]], int(w[5])
     return f"[{', '.join(map(str, dims[:ndim]))}{', ...' if ndim > 4 else ''}] ({n} values)"
 
-# %% ../nbs/26_exchange.ipynb #e8fa9922
+def shapes_differ(rank:int, words, peer:int, peer_words, when:str='') -> RuntimeError:
+    "The error of a rank whose peer gave rows of another shape (`words`, `peer_words`: `_shape_words`), by any transport"
+    return RuntimeError(
+        f"clfast: synchronized batch statistics of different shapes: rank {rank} gives {_shape_text(words)}, rank "
+        f"{peer} gives {_shape_text(peer_words)}{when}. Every rank must run the same model: check that each synchronized "
+        "BN layer has the same number of channels on every rank (a model built from a per-rank config?) and that the "
+        "ranks reach the layers in the same order")
+
+# %% ../nbs/26_exchange.ipynb #2563df0d
 class HostExchange:
     "Rows to and from every rank of a process group on one host, through a file that all of them map (see above)"
     def __init__(self, words:Tensor, rank:int, ranks:list[int], pids:list[int], timeout:float, watch:bool):
@@ -177,11 +185,7 @@ class HostExchange:
         return self.bufs[:, b, :n].to(t.device, copy=True).view(len(self.ranks), *t.shape)
 
     def _differ(self, p:int, b:int, words):
-        raise RuntimeError(
-            f"clfast: synchronized batch statistics of different shapes: rank {self.ranks[self.rank]} gives "
-            f"{_shape_text(words)}, rank {self.ranks[p]} gives {_shape_text(self.shapes[p, b])} (exchange {self.k}). "
-            "Every rank must run the same model: check that each synchronized BN layer has the same number of channels "
-            "on every rank (a model built from a per-rank config?) and that the ranks reach the layers in the same order")
+        raise shapes_differ(self.ranks[self.rank], words, self.ranks[p], self.shapes[p, b], f" (exchange {self.k})")
 
     def _wait(self, p:int, k:int):
         """Until group rank `p` has published exchange `k`: yield the core a while (a peer is usually a little behind),

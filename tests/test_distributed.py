@@ -300,6 +300,26 @@ def test_subgroup_synchronized_then_a_world_group(tmp_path):
     from clfast.exchange import STORES_IN_ORDER
     assert [r['shared'] for r in ranks] == [STORES_IN_ORDER] * 2 + [None]   # the subgroup's own shared memory
 
+def _message_shapes_worker(rank, init, world, channels):
+    "Gloo's messages (as between hosts); the last rank's layer has `channels[1]` channels, the others' `channels[0]`"
+    os.environ['CLFAST_HOST_EXCHANGE'] = '0'
+    import clfast.ops   # registers torch.ops.clfast
+    _init(rank, init, timeout=30, world=world)
+    c = channels[rank == world - 1]
+    y = torch.randn(2, c, 3, 3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=rf"different shapes: rank {rank} gives \[3, {c}\].*rank \d gives \[3, "
+                                           rf"(?!{c}\])\d+\].*same number of channels on every rank"):
+        torch.ops.clfast.synced_stats(y, dist.group.WORLD.group_name)
+    dist.barrier()   # the group still works: every message was taken in
+    dist.destroy_process_group()
+
+@pytest.mark.parametrize('world,channels', [(2, (6, 4)), (3, (6, 40))])
+def test_ranks_with_different_channels_all_raise_over_messages(tmp_path, world, channels):
+    """Between hosts (gloo's messages), a rank whose layer has more or fewer channels than its peers': every rank raises
+    the same clear error, none computes with garbage. Before, gloo aborted the process that received the longer message
+    ("Received data size doesn't match expected size") and the other went on with a short read"""
+    _spawn(_message_shapes_worker, str(tmp_path/'init'), world, channels, world=world)
+
 def _failing_worker(rank, init):
     _init(rank, init)
     if rank == 1: raise ValueError("boom in rank 1")

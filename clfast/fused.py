@@ -180,7 +180,7 @@ class _FusedMixin(AsStock):
     "What every module clfast fuses is: pickles as its stock class (no clfast needed to load it), deep-copies as itself"
     _own_attrs = ('surgical',)
 
-# %% ../nbs/23_fused.ipynb #77e1e856
+# %% ../nbs/23_fused.ipynb #efdacf98
 _stock_blocks = [0]   # how many fused blocks are running their stock forward now: every chain in them runs unfused
 
 class _FusedChain(_FusedMixin):
@@ -191,17 +191,30 @@ class _FusedChain(_FusedMixin):
         "Whether this call runs the chain as its stock modules, each doing its own work (see above)"
         d = self.__dict__
         if not d.get('surgical') or '_fused_bn' not in d: return False
-        if d.get('opened') is not None or _stock_blocks[0]: return True
+        if d.get('opened') is not None or _stock_blocks[0] or d.get('_is_replica'): return True
         bn = d['_fused_bn']
         return (hooked(self) or hooked(bn) or hooked(d.get('_fused_act'))
                 or (bool(bn._modules) and any(hooked(c) for c in bn._modules.values())))   # (timm's BN's act)
+
+    def _replicate_for_data_parallel(self):
+        global _replicas_said
+        if self.__dict__.get('surgical') and not _replicas_said:
+            _replicas_said = True
+            from clfast.core import warn_user   # here: clfast.core imports fastai, which the fused op need not
+            warn_user("clfast: nn.DataParallel (`learn.to_parallel()`) runs each GPU's copy of a fused model unfused, "
+                      "as its stock modules: a copy cannot keep a fused layer's link to its own BN. To train fused on "
+                      "several GPUs, use DistributedDataParallel (fastai's `distrib_ctx`, `accelerate launch`).")
+        return super()._replicate_for_data_parallel()
+
+_replicas_said = False   # whether DataParallel's copies running unfused was said (once per process)
 
 class _PassThrough(_FusedMixin):
     "A BN or activation whose work the fused conv `_fused_by` does: the identity, or its own work while that chain runs unfused"
     _own_attrs = ('surgical', '_fused_by')
     def forward(self, x:Tensor) -> Tensor:
-        by = self.__dict__.get('_fused_by')
-        return x if by is None or not by.runs_unfused() else self._own_work(x)
+        d = self.__dict__
+        by = d.get('_fused_by')   # a DataParallel copy's: the original's chain, whose copy runs unfused
+        return x if by is None or not (d.get('_is_replica') or by.runs_unfused()) else self._own_work(x)
     def _own_work(self, x:Tensor) -> Tensor:
         if not isinstance(self, nn.modules.batchnorm._BatchNorm): return self._stock_class.forward(self, x)
         z = _stock_bn(self, x)

@@ -146,3 +146,40 @@ def test_pytorchs_converter_bound_before_fusing(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     diffs = [float(l) for l in r.stdout.split()]
     assert len(diffs) == 2 and max(diffs) < 1e-5, diffs
+
+def _timm_net():
+    import timm.layers
+    return nn.Sequential(timm.layers.ConvNormAct(3, 8, 3, act_layer=nn.SiLU),
+                         timm.layers.MixedConv2d(8, 12, [3, 5], padding=''), nn.BatchNorm2d(12), nn.ReLU())
+
+@pytest.mark.parametrize('model', ['resnet18', 'timm'])
+def test_dataparallel_copies_compute_as_the_stock_model(model, monkeypatch):
+    """`nn.DataParallel` (fastai's `learn.to_parallel()`) copies a fused model onto each GPU at every step with torch's
+    `replicate`: each copy computes as the stock model with that copy's parameters and statistics (before: a copy's
+    fused convs read the original's BNs, max error 0.85-22), said once, and the original stays fused (before: filling
+    the copies' children opened every original chain for good). No two GPUs here: torch's `replicate` runs as it is,
+    save for its CUDA broadcast of the tensors, which here hands copy j the tensors scaled by 1 + j/4 (so that a read of
+    the original's shows)"""
+    import clfast.fused, sys
+    replicate = sys.modules['torch.nn.parallel.replicate']
+    monkeypatch.setattr(replicate, '_broadcast_coalesced_reshape', lambda tensors, devices, detach=False: [
+        [(t.detach() * (1 + j / 4)).requires_grad_(t.requires_grad) for t in tensors] for j in range(len(devices))])
+    monkeypatch.setattr(clfast.fused, '_replicas_said', False)
+    torch.manual_seed(0)
+    m = _busy_stats(torchvision.models.resnet18(num_classes=10) if model == 'resnet18' else _timm_net()).double()
+    stock = copy.deepcopy(m)
+    fuse_conv_bn(m)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter('always')
+        copies = replicate.replicate(m, [0, 1])
+        replicate.replicate(m, [0, 1])
+    assert [str(w.message).split(':')[1] for w in said] == [" nn.DataParallel (`learn.to_parallel()`) runs each GPU's copy of a fused model unfused, as its stock modules"]
+    assert fusion_report(m).opened == [] and not any(c.runs_unfused() for c in m.modules() if hasattr(c, 'runs_unfused'))
+    x = X.double()
+    for j, c in enumerate(copies):
+        want = copy.deepcopy(stock)
+        with torch.no_grad():
+            for t in [*want.parameters(), *want.buffers()]:
+                if t.is_floating_point(): t.mul_(1 + j / 4)
+        for train in (True, False): assert _max_diff(c, want, x, train) < 1e-10, (j, train)
+    assert _max_diff(m, stock, x, False) < 1e-10   # the original, fused, as it was

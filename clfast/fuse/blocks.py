@@ -122,7 +122,7 @@ def _fuse_pair(conv, bn, mode, act='none', act_param=0.):
     fused.__dict__.update(act=act, act_param=float(act_param), mode=check_mode(mode), surgical=True)
     return fused
 
-# %% ../../nbs/24b_fuse_blocks.ipynb #e231e4ee
+# %% ../../nbs/24b_fuse_blocks.ipynb #a750f6c2
 class _FusedBlock(_FusedMixin):
     "A residual block whose last fused conv adds the shortcut (and applies the final activation)"
     _own_attrs = ('surgical', 'opened')
@@ -130,7 +130,7 @@ class _FusedBlock(_FusedMixin):
     def runs_unfused(self) -> bool:
         "Whether this call runs the block's stock forward: for good once opened, and while a module in it has hooks or is opened"
         if not self.__dict__.get('surgical', True): return False   # folded for inference: its BNs are gone
-        if self.opened is not None: return True
+        if self.opened is not None or self.__dict__.get('_is_replica'): return True   # (a DataParallel copy: clfast.fused)
         todo = list(self._modules.values())   # (not `self.modules()`: a third of the time)
         while todo:
             m = todo.pop()

@@ -247,14 +247,14 @@ def unfuse_conv_bn(model:nn.Module) -> nn.Module:
     _reports.pop(model, None)
     return _precise_cpu_sync(model)   # a synchronized fused BN unfuses to a SyncBatchNorm
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #1cc84313
+# %% ../../nbs/24d_fuse_surgery.ipynb #c745a79e
 _registration_hook = None   # torch's handle of `_on_module_registered`, once `fuse_conv_bn` installed it
 _replacements_said = set()   # the replacing classes said so far (each once per process)
 
 def _on_module_registered(parent:nn.Module, name:str, new:nn.Module|None):
     "Open the fused chain or block whose module `parent.name` becomes `new` (torch's module-registration hook)"
     old = parent._modules.get(name)
-    if old is None or old is new: return None
+    if old is None or old is new or parent.__dict__.get('_is_replica'): return None   # (DataParallel filling a copy)
     chain = None
     if isinstance(old, _PassThrough):
         chain = old.__dict__.get('_fused_by')

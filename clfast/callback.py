@@ -44,14 +44,14 @@ def _fused_nothing(model:nn.Module, mode:str) -> str|None:
         why = f" (first skipped: {report.skipped[0][0]}: {report.skipped[0][1]})" if report.skipped else " (it has no conv followed by a BatchNorm2d)"
         return f"fuse={mode!r} fused nothing in this model{why}; `fusion_report(learn.model)` lists every reason."
 
-# %% ../nbs/02_callback.ipynb #a8a9f6ca
-_OWN_EVENTS = ('before_fit', 'before_validate', 'before_batch')
+# %% ../nbs/02_callback.ipynb #cf88f1fd
+_OWN_EVENTS = ('before_fit', 'before_validate', 'before_batch', 'after_fit')
 
 @fastai_signature(fastai_cl.ChannelsLast)
 class ChannelsLast(_StateDefaults, Callback):
     "Channels-last training: the model and every batch's 4D/5D image tensors in `channels_last`(`_3d`)"
     order = -1   # as fastai's: before model-wrapping callbacks (DistributedTrainer is 11) and MixedPrecision (10)
-    _added_state = dict(user_events={}, fuse=None, guarded_on=None, ranks=frozenset({4, 5}))   # since its first pickles
+    _added_state = dict(user_events={}, fuse=None, guarded_on=None, ranks=frozenset({4, 5}), prepared=False)   # since its first pickles
     def __init__(self, *,
         fuse:str|bool=False, # Fuse conv-BN(-ReLU)(+add) blocks: 'speed', 'memory' or False
         **events # fastai event functions (`after_fit=fn`); one for an event ChannelsLast uses runs after its own work
@@ -62,6 +62,7 @@ class ChannelsLast(_StateDefaults, Callback):
         self.guarded_on: torch.device|None = None   # the device `guard_model` last decided the model's guards for
         self.ranks = frozenset({4, 5})   # the batch tensors' ranks to convert: those the model's convs take (`conv_ranks`)
         self.said = set()   # what this callback warned about: each once, not at every fit
+        self.prepared = False   # `before_fit` ran and `after_fit` has not: the model is in the format, its ranks known
 
     def _user(self, event:str):
         if event in self.user_events: self.user_events[event](self)
@@ -76,6 +77,7 @@ class ChannelsLast(_StateDefaults, Callback):
         model_to(self.model, channels_last=True)
         self._guard(again=True)
         opt_state_to(self.opt, channels_last=True)
+        self.prepared = True
         self._user('before_fit')
 
     def fuse_model(self):
@@ -84,10 +86,17 @@ class ChannelsLast(_StateDefaults, Callback):
         if why: warn_user(why, once_for=self)
 
     def before_validate(self):
-        self.ranks = conv_ranks(self.model)   # `get_preds` runs no `before_fit`
-        model_to(self.model, channels_last=True)
+        # `get_preds(inner=True)` runs no `before_fit`; `predict`, `get_preds` and `validate` run it just before, with
+        # no training batch between (0.3 ms of resnet50's predict saved); within a fit the model is checked again
+        if not (self.prepared and getattr(self.learn, 'train_iter', None) == 0):
+            self.ranks = conv_ranks(self.model)
+            model_to(self.model, channels_last=True)
         self._guard()
         self._user('before_validate')
+
+    def after_fit(self):
+        self.prepared = False
+        self._user('after_fit')
 
     def _guard(self, again:bool=False):
         """Guard the model's convs and BNs for the device it is on now (fastai moves it in `before_fit`): on the CPU

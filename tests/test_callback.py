@@ -344,6 +344,18 @@ def test_fits_and_predictions_keep_the_models_modules(monkeypatch):
     assert torch.equal(learn.model[0][1].running_mean, stats)
     hook.remove()
 
+def test_validation_puts_back_a_model_made_contiguous():
+    """A model put back in the contiguous format by hand between calls is channels-last again in `get_preds` and
+    `validate` (a `before_fit` just before), and in `get_preds(inner=True)` (none): `before_validate` skips its check
+    only right after `before_fit`"""
+    learn = _fit(tiny_learner().to_channelslast(use_amp=False))
+    convs = [p for p in learn.model.parameters() if p.dim() == 4]
+    for call in (learn.get_preds, learn.validate, lambda: learn.get_preds(inner=True), lambda: _fit(learn)):
+        learn.model.to(memory_format=torch.contiguous_format)
+        assert not any(is_channels_last(p) for p in convs)
+        with learn.no_bar(): call()
+        assert all(is_channels_last(p) for p in convs) and not learn.channels_last.prepared
+
 def test_unguardable_conv_said_once_per_model(monkeypatch):
     "A conv the guard cannot guard (not a stock nn.Conv2d) is said once for the model, not at `to_channelslast` and every fit"
     from clfast import guard

@@ -1,6 +1,6 @@
 """Multi-process training with real processes: 2 ranks on gloo over loopback, spawned by each test and bounded in time
 (every collective times out after `TIMEOUT` s, and a rank that raises ends the test with its error)."""
-import copy, faulthandler, os, socket, subprocess, sys, textwrap, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
+import contextlib, copy, faulthandler, os, socket, subprocess, sys, textwrap, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
 from pathlib import Path
 import torch.nn.functional as F
 from datetime import timedelta
@@ -503,3 +503,104 @@ def test_unfused_after_synchronizing_trains_on_the_cpu(tmp_path):
         got = torch.load(tmp_path/f"rank{rank}.pt")
         assert 'SyncBatchNorm' not in got['kinds'] and 'PreciseSyncBatchNorm' in got['kinds'], got['kinds']
         torch.testing.assert_close(got['y'].double(), want[rank * 4:(rank + 1) * 4].detach(), rtol=1e-4, atol=1e-5)
+
+def _finder_learner(rank):
+    "A conv net with BatchNorms on 64 random images of this rank's own (as DDP's ranks see theirs), no loader workers"
+    from fastai.vision.all import DataLoaders, Learner, ConvLayer, Flatten, CrossEntropyLossFlat, Adam, TensorImage, TensorCategory
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(64, 3, 16, 16, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long()
+    items = list(zip(TensorImage(x), TensorCategory(y)))
+    dls = DataLoaders.from_dsets(items[:48], items[48:], bs=16, device='cpu', num_workers=0)
+    torch.manual_seed(0)
+    model = nn.Sequential(ConvLayer(3, 8), ConvLayer(8, 16, stride=2), nn.AdaptiveAvgPool2d(1), Flatten(), nn.Linear(16, 2))
+    return Learner(dls, model, loss_func=CrossEntropyLossFlat(), opt_func=Adam)
+
+def _model_state(learn):
+    return [type(m).__name__ for m in learn.model.modules()], {k: v.clone() for k, v in learn.model.state_dict().items()}
+
+def _same_state(a, b): return a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(v, b[1][k]) for k, v in a[1].items())
+
+def _finder_worker(rank, port, init, out, how):
+    import faulthandler
+    faulthandler.dump_traceback_later(60, exit=True)   # a hang ends the rank, and so fails the test, instead of blocking it
+    import clfast.all   # to_channelslast, format_find, fastai's distrib_ctx on gloo
+    from clfast.finder import Setup, BASELINE, best_setup
+    from clfast.fuse import convert_sync_batchnorm
+    learn = _finder_learner(rank)
+    if how == 'distrib_ctx':   # fastai's: the fused layers become synchronized ones on entry (sync_bn=True)
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR='127.0.0.1',
+                          MASTER_PORT=str(port))
+        torch.set_num_threads(1)
+        learn.to_channelslast(fuse='speed')
+        ctx = learn.distrib_ctx(sync_bn=True)
+    else:   # a script's process group; the BNs synchronized over a group of their own (which `deepcopy` cannot copy)
+        _init(rank, init, timeout=30)
+        learn.model = convert_sync_batchnorm(learn.model, process_group=dist.new_group([0, 1]))
+        ctx = contextlib.nullcontext()
+    with ctx:
+        before = _model_state(learn)
+        time.sleep(3 * rank)   # rank 1 starts its find 3 s after rank 0, as a rank that logged or saved first
+        df = learn.format_find(setups=[BASELINE, Setup(fuse='speed'), Setup(dtype=torch.bfloat16)], n_batches=3,
+                               show_plot=False, budget=2.)
+        unchanged = _same_state(before, _model_state(learn))
+        learn.to_channelslast(auto=True)   # from the stored table
+        torch.save(dict(df=df, best=best_setup(df)[0], unchanged=unchanged, before=before[0],
+                        after=_model_state(learn)[0],   # fastai shows progress on rank 0 only
+                        cbs=[type(c).__name__ for c in learn.cbs if type(c).__name__ != 'ProgressCallback']), f"{out}/rank{rank}.pt")
+        dist.barrier()
+        if how != 'distrib_ctx': dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+
+@pytest.mark.parametrize('how', ['distrib_ctx', 'own group'])
+def test_format_find_in_a_process_group_measures_in_lockstep(tmp_path, how):
+    """`format_find` on every rank of a process group, the model's BNs synchronized (collectives in every step), rank 1
+    starting 3 s late, a budget of 2 s: the ranks measure the same setups and steps together (each rank counting its
+    own steps from its own clock hung the other in its next collective), and every rank gets rank 0's table, so
+    `to_channelslast(auto=True)` sets them up alike (each picked from its own timings before); the learners unchanged"""
+    _spawn(_finder_worker, _free_port(), str(tmp_path/'init'), str(tmp_path), how)
+    r0, r1 = (torch.load(tmp_path/f'rank{r}.pt', weights_only=False) for r in range(WORLD))
+    df = r0['df']
+    assert any('SyncBatchNorm' in k for k in r0['before']), r0['before']   # what was measured synchronizes
+    for r in (r0, r1): assert r['unchanged'] and (r['df'].error == '').all(), r['df'].error.to_dict()
+    assert df.equals(r1['df']) and df.attrs == r1['df'].attrs and 'lockstep' in df.attrs['ranks']
+    assert r0['best'] == r1['best'] and r0['after'] == r1['after'] and r0['cbs'] == r1['cbs']
+    assert df.steps.nunique() == 1
+    # the stock setups stepped in the same order on both ranks (a set of dtypes iterates in a per-process order; their
+    # synchronized statistics were mixed then): the stock fp32 step is the baseline's, to the bit
+    fp32 = df[[' fp32' in n for n in df.index]]
+    assert (fp32[fp32.grad_batch == 0].stock_grad_error == df.loc['contiguous fp32', 'grad_error']).all(), df
+
+def _one_rank_finder_worker(rank, init, out):
+    import faulthandler
+    faulthandler.dump_traceback_later(60, exit=True)
+    import clfast.all, clfast.finder
+    from clfast.finder import Setup, BASELINE
+    from clfast.fuse import convert_sync_batchnorm
+    _init(rank, init, timeout=30)
+    learn = _finder_learner(rank)
+    learn.model = convert_sync_batchnorm(learn.model)
+    clfast.finder.JOIN_TIMEOUT = 2.
+    before, err, took = _model_state(learn), None, 0.
+    if rank == 0:   # as `if rank_distrib() == 0: learn.format_find()`
+        t = time.time()
+        try: learn.format_find(n_batches=2, show_plot=False)
+        except RuntimeError as e: err = str(e)
+        took = time.time() - t
+    unchanged = _same_state(before, _model_state(learn))
+    dist.barrier()
+    df = learn.format_find(setups=[BASELINE, Setup()], n_batches=2, show_plot=False, budget=None)   # then on every rank
+    torch.save(dict(err=err, took=took, unchanged=unchanged, df=df), f"{out}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
+
+def test_format_find_on_one_rank_is_refused(tmp_path):
+    """`format_find` on rank 0 alone (the other rank never calls it) with synchronized BNs hung in its first collective;
+    it raises, after `JOIN_TIMEOUT`, saying to call it on every rank, nothing measured or changed, and the next find on
+    every rank meets and measures"""
+    _spawn(_one_rank_finder_worker, str(tmp_path/'init'), str(tmp_path))
+    r0, r1 = (torch.load(tmp_path/f'rank{r}.pt', weights_only=False) for r in range(WORLD))
+    assert r0['err'] and 'rank(s) 1 did not within 2 s' in r0['err'] and 'on every rank' in r0['err'], r0['err']
+    assert 2 <= r0['took'] < 10 and r0['unchanged']
+    assert r0['df'].equals(r1['df']) and (r0['df'].error == '').all()

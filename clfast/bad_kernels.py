@@ -59,7 +59,7 @@ def bad_kernels_for(conv:nn.Module, isa:str|None=None, version:str=torch.__versi
     isa = onednn_isa() if isa is None else isa
     return [b for b in KNOWN_BAD_KERNELS if b.affects(conv, isa, version)]
 
-# %% ../nbs/04b_bad_kernels.ipynb #8ed9306a
+# %% ../nbs/04b_bad_kernels.ipynb #e6bf852b
 class GuardPlan(NamedTuple):
     "How one conv runs instead of the stock way: `workaround` ('subsample', 'contiguous', 'nchw_weight_grad'), whether only its backward needs it, and why"
     workaround: str
@@ -81,14 +81,14 @@ class Route:
     back_to_channels_last: bool = False
     def restore(self, out:Tensor) -> Tensor:
         "The conv's `out` in the layout the stock conv would have given it"
-        return out.contiguous(memory_format=torch.channels_last) if self.back_to_channels_last else out
+        return out.contiguous(memory_format=torch.channels_last) if self.back_to_channels_last and out.dim() == 4 else out   # (not an unbatched [C, H, W])
 
 def route(plan, x:Tensor, weight:Tensor, stride:tuple, residual:Tensor|None=None) -> Route:
     "How a conv of `x` and `weight` at `stride` (then + `residual`) runs under `plan`, so that it never reaches a bad kernel"
     if not guard_acts(plan, x, weight): return Route(x, weight, stride, residual)
     if plan.workaround == 'subsample':   # 1x1, no padding: stride s is stride 1 on every s-th row and column
         # laid out as `x` (the copy the conv would make of a strided view anyway), so the conv picks the stock layout
-        sub = x[:, :, ::stride[0], ::stride[1]].contiguous(memory_format=suggest_memory_format(x))
+        sub = x[..., ::stride[0], ::stride[1]].contiguous(memory_format=suggest_memory_format(x))   # (or unbatched [C, H, W])
         return Route(sub, weight, (1, 1), residual)
     # 'contiguous' (or 'nchw_weight_grad' for a layer): this conv alone in nchw (x and a 1x1 weight can keep
     # channels-last strides through .contiguous())

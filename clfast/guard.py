@@ -19,7 +19,7 @@ from .routes import (MeasuredKernel, SHORT_INPUT_WGRAD, SLOW_BF16_BACKWARD, SLOW
 __all__ = ['CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM', 'MEASURED_KERNELS', 'guard_plan', 'unguard_model', 'model_device',
            'guard_model', 'guard_report']
 
-# %% ../nbs/05_guard.ipynb #c46daefb
+# %% ../nbs/05_guard.ipynb #0b7b80a5
 CHECK_CACHE = 'numerics_check'   # the `MachineCache` of `check_channelslast`'s results
 
 def _conv_params(conv:nn.Conv2d) -> dict:
@@ -36,6 +36,8 @@ def _checked_failures() -> list[dict]:
 def guard_plan(conv:nn.Module, failures:list|None=None, isa:str|None=None):
     "The plan `(workaround, backward_only, why)` for `conv` on this machine (oneDNN's `isa`: `onednn_isa()`), or None when it needs no guard"
     if not isinstance(conv, nn.Conv2d): return None
+    # a LazyConv2d not yet run has no channels (0): it is guarded once it has them, at the next `guard_model`
+    if isinstance(conv, nn.modules.lazy.LazyModuleMixin) and conv.has_uninitialized_params(): return None
     bad = bad_kernels_for(conv, isa)
     if bad: return GuardPlan(bad[0].workaround if _zero_padding(conv) else 'contiguous', bad[0].backward_only, bad[0].reference)
     failures = _checked_failures() if failures is None else failures

@@ -32,7 +32,7 @@ def forget_premises():
     "Forget this machine's measured premises (they are measured again when next needed)"
     forget_timings('premise:')
 
-# %% ../nbs/04c_routes.ipynb #1b488827
+# %% ../nbs/04c_routes.ipynb #d663a3cc
 @dataclass(frozen=True)
 class MeasuredKernel:
     "A stock kernel that is right but slow, or imprecise, on some CPUs; `probe()` measures whether it is so on this one"
@@ -70,12 +70,16 @@ class _WeightGradInNchw(torch.autograd.Function):
 
 def weight_grad_in_nchw(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
     "`conv(x)` whose weight gradient runs in nchw (forward and input gradient as stock)"
-    return _WeightGradInNchw.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+    # aten.convolution has no autocast rule: cast as autocast casts a conv's inputs (under CPU bf16 autocast the route
+    # computed, and returned, fp32 where the stock conv gives bf16)
+    x, weight, bias = autocast_cast(x, weight, bias, dev=x.device.type)
+    with no_autocast(x.device.type):
+        return _WeightGradInNchw.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
 def short_input_slower() -> Timing:
     "`SHORT_INPUT_WGRAD`'s probe: a 512-channel 3x3 conv on 2-row inputs (batch 8), forward + backward, the weight gradient in nchw timed against stock channels-last (`time_pair`)"
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.random.default_generator.manual_seed(0)   # the CPU's alone: `torch.manual_seed` reseeds every GPU too
         conv = nn.Conv2d(512, 512, 3, padding=1, bias=False).to(memory_format=torch.channels_last)
         x = torch.randn(8, 512, 2, 4).to(memory_format=torch.channels_last).requires_grad_()
     step = lambda f: lambda: f().sum().backward()
@@ -109,12 +113,12 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/04c_routes.ipynb #bd9c6737
+# %% ../nbs/04c_routes.ipynb #01e587e1
 def reduced_backward_slower(dtype:torch.dtype) -> Timing:
     "The probe of `SLOW_BF16_BACKWARD` / `SLOW_FP16_BACKWARD`: a depthwise 3x3 stride-2 and a dense 3x3 channels-last conv backward (batch 8, 16x16), ATen's in fp32 on widened copies timed against stock in `dtype` (`time_pair`); the depthwise one's timing unless only the dense one is faster"
     def timing(c, groups):
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
+            torch.random.default_generator.manual_seed(0)
             x = torch.randn(8, c, 16, 16).to(dtype).contiguous(memory_format=torch.channels_last)
             w = torch.randn(c, c // groups, 3, 3).to(dtype).contiguous(memory_format=torch.channels_last)
             dy = torch.randn(8, c, 8, 8).to(dtype).contiguous(memory_format=torch.channels_last)
@@ -183,7 +187,7 @@ def slow_backward_conv(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None
     with no_autocast('cpu'):
         return _TimedBackwardConv.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups, key)
 
-# %% ../nbs/04c_routes.ipynb #af470509
+# %% ../nbs/04c_routes.ipynb #0722bcd6
 def _zero_padding(conv) -> bool:
     return conv.padding == 'valid' or (conv.padding == 'same' and max(conv.kernel_size) == 1) or \
            (not isinstance(conv.padding, str) and not any(conv.padding))
@@ -209,7 +213,7 @@ def pointwise_product(conv:nn.Module, x:Tensor, weight:Tensor, bias:Tensor|None)
 def pointwise_maps_slower() -> bool:
     "`SLOW_POINTWISE_MAPS`'s probe: a squeeze-excite pair of 1x1 convs with bias (96 -> 24 -> 96 channels) on [8, 96, 1, 1], forward + backward in fp32, `pointwise_product` timed against stock (`time_pair`)"
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+        torch.random.default_generator.manual_seed(0)
         reduce, expand = nn.Conv2d(96, 24, 1), nn.Conv2d(24, 96, 1)
         x = torch.randn(8, 96, 1, 1, requires_grad=True)
     stock = lambda c, t: nn.Conv2d._conv_forward(c, t, c.weight, c.bias)

@@ -134,7 +134,7 @@ def _sleep_cycles_per_s(index:int) -> float:
         _cycles[index] = n / (start.elapsed_time(end) / 1e3)
     return _cycles[index]
 
-# %% ../nbs/04a_timing.ipynb #754c3a24
+# %% ../nbs/04a_timing.ipynb #a8976838
 TIMINGS = 'timings'    # the `MachineCache` of every timed decision
 LOCK_TIMEOUT = 600.    # seconds a process waits for another's measurement before it keeps the default
 
@@ -215,12 +215,19 @@ def decide(key:str, measure:Callable[[], Timing|bool]) -> Timing|bool:
 @contextlib.contextmanager
 def fresh_state():
     """The state a fresh process computes in, whatever the caller's: gradients on, no inference mode, no CPU autocast,
-    none of the caller's dispatch or function modes (a tracer's fake tensors, a flop counter), and none of its hooks
-    on saved tensors (a gradient checkpoint's)"""
+    none of the caller's dispatch or function modes (a tracer's fake tensors, a flop counter), none of its hooks on
+    saved tensors (a gradient checkpoint's), none of its `torch.func` transforms (per-sample gradients: a probe's
+    `backward()` raised inside `grad`), and float32 as the default dtype (a probe's modules and inputs follow it: under
+    `set_default_dtype(torch.float64)` a probe timed fp64 convs and cached the answer for fp32's)"""
     import torch   # here: the CPU's timings need no torch at import
     from torch.utils._python_dispatch import _disable_current_modes
-    with (_disable_current_modes(), torch._C.DisableTorchFunction(), torch.inference_mode(False), torch.enable_grad(),
-          torch.autocast('cpu', enabled=False), plain_saves()): yield
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with (temporarily_clear_interpreter_stack(), _disable_current_modes(), torch._C.DisableTorchFunction(),
+              torch.inference_mode(False), torch.enable_grad(), torch.autocast('cpu', enabled=False), plain_saves()): yield
+    finally: torch.set_default_dtype(dtype)
 
 def plain_saves():
     """Identity hooks on saved tensors over the caller's, for work timed or probed inside a step: a gradient checkpoint's

@@ -424,6 +424,45 @@ def test_guard_under_autocast(fuse):
     ref(x.double()).sum().backward()
     torch.testing.assert_close(stem.weight.grad.double(), ref[0][0].weight.grad, rtol=5e-2, atol=5e-2)
 
+@pytest.mark.parametrize('how', ['subsample', 'contiguous'])
+def test_unbatched_input_under_every_workaround(how):
+    "nn.Conv2d takes an unbatched [C, H, W] input: a guarded conv does too, in training, and gives fp64's output and gradients (subsample raised IndexError)"
+    from clfast.stock import rebuilt
+    torch.manual_seed(0)
+    conv = rebuilt(nn.Conv2d(4, 8, 1, stride=2), GuardedConv2d).to(memory_format=CL)
+    conv._cl_guard = GuardPlan(how, True, 'test')
+    ref = nn.Conv2d(4, 8, 1, stride=2).double(); ref.load_state_dict(conv.state_dict())
+    x = torch.randn(4, 7, 7)
+    out = conv(x)
+    out.pow(2).sum().backward(); ref(x.double()).pow(2).sum().backward()
+    assert out.shape == (8, 4, 4)
+    for a, b in ((out, ref(x.double())), (conv.weight.grad, ref.weight.grad), (conv.bias.grad, ref.bias.grad)):
+        assert ((a.double() - b).abs().max() / b.abs().max()).item() < 1e-6
+
+def test_short_input_route_computes_in_autocasts_dtype(monkeypatch):
+    """Under CPU bf16 autocast the short-input route computes and returns bf16, as the stock conv does (it ran, and
+    returned, fp32: aten.convolution has no autocast rule); gradients within bf16 rounding of fp64"""
+    monkeypatch.setitem(timing._here, f'premise:{SHORT_INPUT_WGRAD.name}', True)
+    from clfast.stock import rebuilt
+    torch.manual_seed(0)
+    conv = rebuilt(nn.Conv2d(512, 512, 3, padding=1), GuardedConv2d).to(memory_format=CL)
+    ref = nn.Conv2d(512, 512, 3, padding=1).double(); ref.load_state_dict(conv.state_dict())
+    x = torch.randn(2, 512, 2, 4).to(memory_format=CL)
+    assert short_input_plan(conv, x, conv.weight) is not None
+    with torch.autocast('cpu', dtype=torch.bfloat16): out = conv(x)
+    out.float().pow(2).sum().backward(); ref(x.double()).pow(2).sum().backward()
+    assert out.dtype == torch.bfloat16 and conv.weight.grad.dtype == torch.float32
+    assert ((conv.weight.grad.double() - ref.weight.grad).norm() / ref.weight.grad.norm()).item() < 2e-2
+
+def test_a_lazy_conv_is_guarded_once_it_has_channels():
+    "A LazyConv2d not yet run has 0 input channels: no plan and no warning that it cannot be guarded; once run, a stock conv guarded as any"
+    m = nn.Sequential(nn.LazyConv2d(8, 1, stride=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert guard_model(m) == []
+    m(torch.randn(2, 3, 8, 8))
+    assert (guard_model(m) != []) == _affected_here()
+
 def test_pointwise_premise_is_measured_and_cached(tmp_path, monkeypatch):
     "The premise is the probe's measurement here (a squeeze-excite pair of convs against the products), cached per machine; only a 1x1 conv of stride 1, unpadded, one group may meet it"
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))

@@ -1,7 +1,8 @@
 """clfast.timing, the one way clfast times a choice: the stopping rule on scripted timings (a clock that advances by
 what each call is said to take), and the measuring lock and the shared cache between real processes"""
-import itertools, json, os, subprocess, sys, textwrap, time
+import contextlib, copy, itertools, json, os, subprocess, sys, textwrap, time
 import pytest, torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
@@ -170,14 +171,21 @@ def test_device_clock_reads_the_gpus_time_not_the_hosts():
 class _PassThrough(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None): return func(*args, **(kwargs or {}))
 
-_CALLER_STATES = {'no_grad': torch.no_grad, 'inference_mode': torch.inference_mode,
+@contextlib.contextmanager
+def _float64_default():
+    torch.set_default_dtype(torch.float64)
+    try: yield
+    finally: torch.set_default_dtype(torch.float32)
+
+_CALLER_STATES = {'no_grad': torch.no_grad, 'inference_mode': torch.inference_mode, 'float64_default': _float64_default,
                   'bf16_autocast': lambda: torch.autocast('cpu', dtype=torch.bfloat16),
                   'fake_tensors': FakeTensorMode, 'flop_counter': lambda: FlopCounterMode(display=False),
                   'function_mode': _PassThrough}
 
 def _state():
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled('cpu'),
-            torch._C._len_torch_dispatch_stack(), torch._C._is_torch_function_mode_enabled())
+            torch._C._len_torch_dispatch_stack(), torch._C._is_torch_function_mode_enabled(), torch.get_default_dtype(),
+            torch._C._functorch.peek_interpreter_stack() is not None)
 
 @pytest.mark.parametrize('caller', list(_CALLER_STATES))
 def test_a_premise_is_measured_as_a_fresh_process_would(tmp_path, monkeypatch, caller):
@@ -191,4 +199,24 @@ def test_a_premise_is_measured_as_a_fresh_process_would(tmp_path, monkeypatch, c
         outside = _state()
         assert timing.decide_premise('premise:test_state', lambda: seen.append(_state()) or True) is True
         assert _state() == outside
-    assert seen == [(True, False, False, 0, False)]
+    assert seen == [(True, False, False, 0, False, torch.float32, False)]
+
+def test_a_premise_first_asked_inside_torch_func(tmp_path, monkeypatch):
+    """Per-sample gradients (`torch.func.grad` over `vmap`) of a guarded squeeze-excite conv whose premise is not
+    measured yet: the probe runs outside the transforms (its `backward()` raised inside them), and the gradients are
+    fp64's"""
+    from torch.func import grad, vmap, functional_call
+    from clfast.routes import GuardedConv2d, SLOW_POINTWISE_MAPS
+    from clfast.stock import rebuilt
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path)); monkeypatch.setattr(timing, '_here', {})
+    torch.manual_seed(0)
+    stock = nn.Conv2d(96, 24, 1)
+    m, m64 = rebuilt(copy.deepcopy(stock), GuardedConv2d), copy.deepcopy(stock).double()
+    x = torch.randn(8, 96, 1, 1)
+    def per_sample(model, params, x):
+        loss = lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()
+        return vmap(grad(loss), in_dims=(None, 0))(params, x)
+    got = per_sample(m, dict(m.named_parameters()), x)
+    assert timing.timings().get(f'premise:{SLOW_POINTWISE_MAPS.name}') is not None   # measured, at this first question
+    want = per_sample(m64, dict(m64.named_parameters()), x.double())
+    for k in want: assert ((got[k].double() - want[k]).norm() / want[k].norm()).item() < 1e-6, k

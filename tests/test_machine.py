@@ -130,3 +130,162 @@ def test_two_processes_writing_one_cache(tmp_path):
     assert all(p.returncode == 0 for p in ps), errs
     data = json.loads((tmp_path/'race.json').read_text())
     assert len(data) == 1 and all(isinstance(v, int) for v in next(iter(data.values())).values())
+
+def _child(code:str, env:dict|None=None, drop=(), **kw) -> subprocess.CompletedProcess:
+    "Run `code` in a fresh Python (clfast importable), `env` over this one's minus the keys in `drop`"
+    env = {k: v for k, v in {**os.environ, 'PYTHONPATH': str(ROOT), **(env or {})}.items() if k not in drop}
+    return subprocess.run([sys.executable, '-c', textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, **kw)
+
+def test_concurrent_updates_lose_no_entry(tmp_path):
+    """Two processes of two threads each updating one cache at once, started together: each read-merge-write holds the
+    cache's lock, so every entry is kept (without it, one process's write replaced a file the other had just updated)"""
+    code = textwrap.dedent("""
+        import sys, threading; from clfast.machine import MachineCache
+        print('ready', flush=True); sys.stdin.readline()
+        def run(t):
+            for i in range(50): MachineCache('race').update({f'{sys.argv[1]}{t}:{i}': i})
+        ts = [threading.Thread(target=run, args=(t,)) for t in range(2)]
+        for t in ts: t.start()
+        for t in ts: t.join()""")
+    env = {**os.environ, 'CLFAST_CACHE_DIR': str(tmp_path), 'PYTHONPATH': str(ROOT)}
+    ps = [subprocess.Popen([sys.executable, '-c', code, tag], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=ROOT) for tag in 'ab']
+    assert all(p.stdout.readline().strip() == 'ready' for p in ps)   # both started: they write at the same time
+    for p in ps: p.stdin.write('\n'); p.stdin.flush()
+    errs = [p.communicate(timeout=120)[1] for p in ps]
+    assert all(p.returncode == 0 for p in ps), errs
+    data = json.loads((tmp_path/'race.json').read_text())
+    assert len(next(iter(data.values()))) == 200
+
+def test_a_write_inside_the_measuring_lock_does_not_wait_for_itself(tmp_path, monkeypatch):
+    "`decide` writes while it holds the measuring lock: the cache's own lock is another file, so nothing deadlocks"
+    from clfast.timing import measuring
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(machine, 'LOCK_WAIT', 5.)
+    c = machine.MachineCache('timings')
+    with measuring(timeout=5):
+        with measuring(timeout=5): c.update({'x': 1})
+        c.clear().update({'y': 2})
+    assert c.entries() == {'y': 2}
+
+NO_PASSWD = textwrap.dedent("""
+    import pwd
+    def no_entry(uid): raise KeyError(f'getpwuid(): uid not found: {uid}')
+    pwd.getpwuid = no_entry   # what a uid without a passwd entry sees (a container run as an arbitrary uid)
+""")
+
+def test_no_home_caches_in_the_temp_dir(tmp_path):
+    "No $HOME and no passwd entry (Path.home() raises RuntimeError): the cache is `clfast-<uid>` in the temp dir, private"
+    code = NO_PASSWD + textwrap.dedent("""
+        import torch.nn as nn
+        from clfast.machine import MachineCache, cache_dir
+        from clfast.guard import guard_model
+        guard_model(nn.Sequential(nn.Conv2d(3, 8, 3)))
+        MachineCache('example').update({'a': 1})
+        print(cache_dir(), MachineCache('example').entries())""")
+    for _ in range(2):   # and a second process reads it
+        p = _child(code, {'TMPDIR': str(tmp_path)}, drop=('HOME', 'XDG_CACHE_HOME', 'CLFAST_CACHE_DIR'))
+        assert p.returncode == 0, p.stderr
+    d = tmp_path/f'clfast-{os.getuid()}'
+    assert p.stdout.split() == [str(d), "{'a':", '1}'] and (d.stat().st_mode & 0o777) == 0o700
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a directory another user's (chown): needs root")
+def test_no_home_trusts_no_other_users_temp_dir(tmp_path):
+    "Where `clfast-<uid>` in a shared temp dir is another user's, the process keeps a private directory of its own"
+    d = tmp_path/f'clfast-{os.getuid()}'
+    d.mkdir(); os.chown(d, 54321, 54321)
+    p = _child(NO_PASSWD + "from clfast.machine import cache_dir; print(cache_dir())", {'TMPDIR': str(tmp_path)},
+               drop=('HOME', 'XDG_CACHE_HOME', 'CLFAST_CACHE_DIR'))
+    assert p.returncode == 0, p.stderr
+    got = Path(p.stdout.strip())
+    assert got.parent == tmp_path and got != d and got.stat().st_uid == os.getuid() and (got.stat().st_mode & 0o777) == 0o700
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    """A write that fails (a full disk: here the file-size limit, EFBIG) is skipped and leaves the cache as it was, with
+    no temporary file beside it; a value JSON cannot write raises and leaves none either"""
+    code = """
+        import os, resource, signal, json
+        from clfast.machine import MachineCache
+        c = MachineCache('full')
+        c.update({'a': 1})
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, hard))
+        for i in range(3): c.update({f'k{i}': 'x' * 200})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        try: c.update({'bad': {1, 2}})
+        except TypeError: print('TypeError')
+        print(json.dumps(c.entries()))"""
+    p = _child(code, {'CLFAST_CACHE_DIR': str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split('\n')[:2] == ['TypeError', '{"a": 1}']
+    assert sorted(os.listdir(tmp_path)) == ['full.json', 'full.json.lock']
+
+def test_cache_file_has_the_umasks_mode(tmp_path, monkeypatch):
+    "The cache file is made as any file of the user (0666 less the umask), not 0600: another user sharing the dir reads it"
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    old = os.umask(0o027)
+    try: machine.MachineCache('shared').update({'a': 1})
+    finally: os.umask(old)
+    assert (tmp_path/'shared.json').stat().st_mode & 0o777 == 0o640
+
+def _without_dac_override():
+    "Drop root's CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set: file modes then apply to it (after exec)"
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2):
+        if libc.prctl(24, cap, 0, 0, 0): raise OSError(ctypes.get_errno(), 'PR_CAPBSET_DROP')   # PR_CAPBSET_DROP
+
+def test_a_cache_it_cannot_read_is_never_overwritten(tmp_path):
+    """Another user's cache file this process cannot read (EACCES, a real one: the file is another uid's, mode 0600): its
+    entries are not taken for none and replaced by this process's; the write is skipped and the file kept as it was"""
+    path = tmp_path/'timings.json'
+    other = json.dumps({'some machine': {'theirs': 1}})
+    path.write_text(other); path.chmod(0o600)
+    if os.geteuid() == 0: os.chown(path, 54321, 54321)
+    code = """
+        from clfast.machine import MachineCache
+        c = MachineCache('timings')
+        try: c.path.read_text(); print('READABLE')
+        except PermissionError: pass
+        c.update({'mine': 1}); print(c.entries())"""
+    p = _child(code, {'CLFAST_CACHE_DIR': str(tmp_path)}, preexec_fn=_without_dac_override if os.geteuid() == 0 else None)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ['{}'] and path.read_text() == other
+
+def test_isa_caps_are_read_once_per_process():
+    """oneDNN and ATen read their caps once per process: clfast reads them once too (at its first question), so a cap
+    changed later changes neither its oneDNN ISA nor the cache key; a cap set when the process starts is read"""
+    code = """
+        import os
+        from clfast.machine import onednn_isa, machine_key, isa_env
+        first = onednn_isa(), machine_key()
+        os.environ['ONEDNN_MAX_CPU_ISA'] = 'SSE41'; os.environ['ATEN_CPU_CAPABILITY'] = 'default'
+        print(first == (onednn_isa(), machine_key()), first[1])
+        isa_env.cache_clear()   # what a test that changes a cap in its own process calls
+        print(onednn_isa(), machine_key())"""
+    p = _child(code, {'ONEDNN_MAX_CPU_ISA': 'AVX2'}, drop=('DNNL_MAX_CPU_ISA', 'ATEN_CPU_CAPABILITY'))
+    assert p.returncode == 0, p.stderr
+    same, cleared = p.stdout.strip().split('\n')
+    assert same.startswith('True ') and 'ONEDNN_MAX_CPU_ISA=AVX2' in same and 'SSE41' not in same
+    assert 'ONEDNN_MAX_CPU_ISA=SSE41 ATEN_CPU_CAPABILITY=default' in cleared
+    if machine.onednn_isa() is not None: assert cleared.split()[0] == 'sse41'
+
+def test_machine_key_names_the_cpus_family_and_model():
+    "A masked model name ('AMD EPYC' on Zen 4 and Zen 5 hosts): /proc/cpuinfo's family and model numbers tell them apart"
+    info = machine._cpuinfo()
+    for k, name in [('cpu family', 'family'), ('model', 'model')]:
+        if info.get(k): assert f"{name} {info[k]}" in machine_key()
+
+def test_cpu_id_tells_masked_names_apart(monkeypatch):
+    zen4 = {'model name': 'AMD EPYC', 'cpu family': '25', 'model': '17', 'stepping': '0'}
+    zen5 = {'model name': 'AMD EPYC', 'cpu family': '26', 'model': '2', 'stepping': '1'}
+    graviton3 = {'CPU implementer': '0x41', 'CPU architecture': '8', 'CPU part': '0xd40'}
+    ids, name = [], machine.cpu_name.__wrapped__
+    monkeypatch.setattr(machine, 'cpu_name', name)   # (uncached: read from each `_cpuinfo` below)
+    for info in (zen4, zen5, graviton3, {}):
+        monkeypatch.setattr(machine, '_cpuinfo', lambda: info)
+        ids.append(machine.cpu_id.__wrapped__())
+    assert ids[:3] == ['AMD EPYC (family 25 model 17)', 'AMD EPYC (family 26 model 2)', f"{machine.cpu_name()} (implementer 0x41 part 0xd40)"]
+    assert ids[3] == machine.cpu_name()

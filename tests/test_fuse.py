@@ -181,6 +181,67 @@ def test_fold_repacks_when_shape_or_weights_change():
         f.load_state_dict({k: v * 1.5 if k.endswith('conv2.weight') else v for k, v in f.state_dict().items()})
         torch.testing.assert_close(f(x), stock(x), rtol=1e-4, atol=1e-5)
 
+def _rel64(got, model, x):
+    "Relative L2 error of `got` against `model`'s weights through stock modules in float64 (the folded weights pickle as a stock conv's)"
+    ref = pickle.loads(pickle.dumps(model)).double()
+    with torch.no_grad(): want = ref(x.double())
+    return ((got.double() - want).norm() / want.norm()).item()
+
+def test_a_folded_model_trained_again_computes_its_new_weights():
+    """A folded model made trainable and trained by a fastai optimizer (which writes through `.data`, moving neither
+    a tensor's version nor its address): `get_preds` gives the new weights' output (the reordered oneDNN weights went
+    stale: 8e-3 off); only the biases trainable (BitFit) get their gradients (none did: oneDNN ran, outside autograd)"""
+    from fastai.vision.all import Learner, DataLoaders, CrossEntropyLossFlat, SGD
+    torch.manual_seed(0)
+    m = fold_conv_bn(randomize_bn(MODELS['timm_resnet18']()).eval())
+    x = torch.randn(16, 3, 32, 32); y = torch.randint(0, 10, (16,))
+    learn = Learner(DataLoaders.from_dsets(list(zip(x, y)), list(zip(x, y)), bs=8, device='cpu'), m,
+                    loss_func=CrossEntropyLossFlat(), opt_func=SGD, lr=0.1)
+    for p in m.parameters(): p.requires_grad_(True)
+    with learn.no_bar(), learn.no_logging():
+        learn.get_preds(); learn.fit(2)
+        preds = learn.get_preds(act=lambda o: o)[0]
+    assert _rel64(preds, m.eval(), x) < 1e-5
+    for p in m.parameters(): p.requires_grad_(p.dim() == 1); p.grad = None
+    m.eval()(x).sum().backward()
+    convs = [c for c in m.modules() if isinstance(c, FoldedConv2d)]
+    assert convs and all(c.bias.grad is not None for c in convs) and all(c.weight.grad is None for c in convs)
+
+def test_folded_parameters_are_parameters_and_take_unbatched_inputs():
+    "A folded conv's weights stay `nn.Parameter`s (`.to('meta')`, `load_state_dict(assign=True)` raised); an unbatched [C, H, W] input runs as the stock conv's (oneDNN raised), fp32 and bf16, oneDNN kept for batches"
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    randomize_bn(m)
+    f = fold_conv_bn(m)
+    assert all(type(p) is nn.Parameter and not p.requires_grad for p in f.parameters())
+    assert all(p.is_meta for p in copy.deepcopy(f).to('meta').parameters())
+    f2 = fold_conv_bn(m); f2.load_state_dict(f.state_dict(), assign=True)
+    x = torch.randn(4, 9, 9)
+    with torch.no_grad():
+        assert _rel64(f(x), f, x) < 1e-6
+        with torch.autocast('cpu', dtype=torch.bfloat16): assert f(x).dtype == torch.bfloat16
+        assert f[0].onednn == torch.backends.mkldnn.is_available()
+        assert _rel64(f(x[None]), f, x[None]) < 1e-6
+
+def test_a_hooked_conv_or_bn_is_not_folded():
+    "A conv or BN with a hook of its own (features, Grad-CAM) stays as it was, said in the report: the conv's hook saw the BN's work, the BN's was dropped"
+    torch.manual_seed(0)
+    m = randomize_bn(torchvision.models.resnet18(num_classes=10)).eval()
+    ref = copy.deepcopy(m).double()   # fp64, before the hooks (which do not pickle)
+    seen = {}
+    m.layer4[1].conv2.register_forward_hook(lambda mod, i, o: seen.update(conv=o))
+    m.layer4[0].bn1.register_forward_hook(lambda mod, i, o: seen.update(bn=o))
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad(): m(x)
+    want = {k: v.clone() for k, v in seen.items()}
+    f = fold_conv_bn(m)
+    with torch.no_grad(): out = f(x)
+    for k in want: assert ((seen[k] - want[k]).norm() / want[k].norm()).item() < 1e-5, k
+    skipped = dict(fusion_report(f).skipped)
+    assert 'hooks' in skipped['layer4.1.conv2'] and 'hooks' in skipped['layer4.0.conv1']
+    with torch.no_grad(): want = ref(x.double())
+    assert ((out.double() - want).norm() / want.norm()).item() < 1e-5
+
 def test_fold_of_fused_model():
     m = randomize_bn(MODELS['timm_resnet18']())
     fuse_conv_bn(m).eval()

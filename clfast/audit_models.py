@@ -126,13 +126,15 @@ def _models(source:str, names:list[str]|None) -> list[tuple[str, str]]:
     tm = [(n, 'timm') for n in TIMM_MODELS]
     return {'all': tv + tm, 'torchvision': tv, 'timm': tm}[source]
 
-# %% ../nbs/11_audit_models.ipynb #537586e4
+# %% ../nbs/11_audit_models.ipynb #8f6b3585
 def main(a:argparse.Namespace):
     "`clfast audit-models`, given its options (`clfast.cli.audit_models_parser`): writes the channels-last coverage table as <out>.md and <out>.csv"
     df = coverage(_models(a.source, a.models), size=a.size, bs=a.bs)
     out = Path(a.out)
+    if out.suffix in ('.md', '.csv'): out = out.with_suffix('')   # (only those: `--out cov_torch2.5` keeps its '.5')
     out.parent.mkdir(parents=True, exist_ok=True)
-    df.to_csv(out.with_suffix('.csv'), index=False)
-    out.with_suffix('.md').write_text(to_markdown(df))
-    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.csv')}")
+    md, csv = Path(f"{out}.md"), Path(f"{out}.csv")
+    df.to_csv(csv, index=False)
+    md.write_text(to_markdown(df))
+    print(f"wrote {md} and {csv}")
     return df

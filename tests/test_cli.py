@@ -41,6 +41,20 @@ def test_demo_any_arch(capsys):
         assert out.index('[2/2] to_channelslast') < out.index('setup ') and f'arch={arch}, 1 epoch, bs=8' in out
         assert '(20 real scans' in out
 
+@pytest.mark.parametrize('args,msg', [
+    (['--items', '60'], "60 digits leave 48 to train on and 12 to validate: at least one training batch of 64 (fastai drops a partial one) and one digit to validate are needed; use at least 79 items, or a smaller batch size"),
+    (['--items', '1', '--bs', '1'], "1 digit leaves 1 to train on and 0 to validate"),
+    (['--device', 'foo'], "device 'foo' is not one torch knows"),
+    (['--device', 'cuda'], "device 'cuda': no CUDA GPU here; use cpu")])
+def test_demo_options_torch_must_check_fail_before_training(args, msg):
+    "What only torch can check (a device here; enough digits for one batch) ends the demo at once with exit 2 and one line (a traceback after both runs trained, or a ZeroDivisionError)"
+    import torch
+    if 'cuda' in args and torch.cuda.is_available(): pytest.skip("a CUDA GPU is here")
+    r = subprocess.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))',
+                        'demo', '--amp', 'none', '--epochs', '1', *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and f'clfast demo: error: {msg}' in r.stderr and 'Traceback' not in r.stderr, r.stdout + r.stderr
+    assert '[1/2]' not in r.stdout
+
 def test_check_timeout_above_zero():
     r = _run('check', '--timeout', '0')
     assert 'exit 2' in r.stdout and 'argument --timeout: must be above 0, got 0' in r.stderr and 'heavy False' in r.stdout, \
@@ -90,3 +104,9 @@ def test_check_whose_child_cannot_start_says_so(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit, match=r"^clfast check: check_channelslast checked, cached and guarded nothing: its child "
                                          r"process died \(exit 1: ModuleNotFoundError: No module named 'no_such_module'\)"):
         main(['check', '--arch', 'resnet18', '--size', '32'])
+
+def test_audit_models_out_keeps_dots_in_its_name(tmp_path):
+    "`--out cov_torch2.5` writes cov_torch2.5.md and .csv (the '.5' was taken for an extension: cov_torch2.md)"
+    r = _run('audit-models', '--source', 'torchvision', '--models', 'resnet18', '--size', '32', '--bs', '1',
+             '--out', str(tmp_path/'cov_torch2.5'))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['cov_torch2.5.csv', 'cov_torch2.5.md'], r.stdout + r.stderr

@@ -14,9 +14,9 @@ import copy, math, numbers, os, random, sys, warnings
 import numpy as np
 
 # %% auto #0
-__all__ = ['ClfastWarning', 'warn_user', 'fastai_signature', 'cl_format', 'is_ambiguous', 'is_channels_last', 'is_image_tensor',
-           'to_channels_last', 'to_contiguous_format', 'model_to', 'opt_state_to', 'conv_ranks', 'has_conv',
-           'compile_kwargs', 'compile_model', 'is_compiled']
+__all__ = ['ClfastWarning', 'warn_user', 'fastai_signature', 'same_class', 'cl_format', 'is_ambiguous', 'is_channels_last',
+           'is_image_tensor', 'to_channels_last', 'to_contiguous_format', 'model_to', 'opt_state_to', 'conv_ranks',
+           'has_conv', 'compile_kwargs', 'compile_model', 'is_compiled']
 
 # %% ../nbs/00_core.ipynb #4963739c
 class ClfastWarning(UserWarning):
@@ -51,7 +51,7 @@ def _check_flags(who:str, **flags):
     for name, flag in flags.items():
         if isinstance(flag, str) or flag not in (True, False): raise ValueError(f"{who}: {name}={flag!r} must be True or False")
 
-# %% ../nbs/00_core.ipynb #88879ee9
+# %% ../nbs/00_core.ipynb #9ada01c6
 import inspect
 
 def fastai_signature(fastai_fn, also=None):
@@ -76,8 +76,14 @@ def _take_fastai_name(original:type, new:type):
     importlib.import_module('fastai.callback.all')
     name = original.__name__
     for mod_name, mod in list(sys.modules.items()):
-        if mod_name.startswith('fastai.') and not hasattr(mod, '__all__') and getattr(mod, name, None) is original:
-            setattr(mod, name, new)
+        if mod_name.startswith('fastai.') and not hasattr(mod, '__all__'):
+            now = getattr(mod, name, None)   # fastai's, or an earlier `new` (clfast's module reloaded: `%autoreload`)
+            if now is original or (isinstance(now, type) and same_class(now, new)): setattr(mod, name, new)
+
+def same_class(a:type, b:type) -> bool:
+    """Whether classes `a` and `b` are one class, or the same class of a module loaded twice (`importlib.reload`,
+    `%autoreload`: a callback made before the reload is of the earlier class object, and must still be found as one)"""
+    return a is b or (a.__module__, a.__qualname__) == (b.__module__, b.__qualname__)
 
 class _RNGStates:
     """Python's, NumPy's and torch's (CPU and CUDA) random states, and those of the DataLoaders `dls` (fastai's draws its

@@ -356,6 +356,17 @@ def test_validation_puts_back_a_model_made_contiguous():
         with learn.no_bar(): call()
         assert all(is_channels_last(p) for p in convs) and not learn.channels_last.prepared
 
+def test_a_model_that_views_its_input_is_told_why():
+    "A model that `.view`s its raw batch fails on a channels-last batch (fastai's ChannelsLast leaves batches as they are): the error says why and what to do"
+    class Views(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.lin = nn.Conv2d(3, 2, 3), nn.Linear(3 * 16 * 16, 2)
+        def forward(self, x): return self.conv(x).mean((2, 3)) + self.lin(x.view(x.size(0), -1))
+    learn = Learner(image_dls(), Views(), loss_func=CrossEntropyLossFlat()).to_channelslast(use_amp=False)
+    with pytest.raises(RuntimeError, match='view size is not compatible') as e: _fit(learn)
+    assert any('`.reshape`' in n and 'to_contiguous' in n for n in getattr(e.value, '__notes__', []))
+
 def test_unguardable_conv_said_once_per_model(monkeypatch):
     "A conv the guard cannot guard (not a stock nn.Conv2d) is said once for the model, not at `to_channelslast` and every fit"
     from clfast import guard

@@ -69,3 +69,33 @@ def test_clfast_callbacks_in_either_import_order():
         from clfast.all import *
         print(ChannelsLast.__module__, MixedPrecision.__module__)""")
     assert out == 'clfast.callback clfast.amp', out
+
+RELOADED = r'''
+import importlib, sys, torch, warnings
+warnings.simplefilter('ignore')
+from fastai.vision.all import *
+from clfast.all import *
+import clfast.amp, clfast.callback
+from clfast.demo import digits_dls, simple_cnn
+def learner(): return Learner(digits_dls(bs=8, size=16, device='cpu', n_items=48), simple_cnn(widths=(8, 8)))
+before = learner().to_channelslast(amp_mode='bf16')   # callbacks of the classes before the reload
+importlib.reload(clfast.amp); importlib.reload(clfast.callback)   # as %autoreload does after an edit
+import fastai.callback.all as fa
+assert fa.MixedPrecision is clfast.amp.MixedPrecision and fa.ChannelsLast is clfast.callback.ChannelsLast
+for learn in (before, learner().to_channelslast(amp_mode='bf16')):
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    learn.export(sys.argv[1])
+    learn.to_fp16()
+    assert [type(c).__name__ for c in learn.cbs].count('MixedPrecision') == 1, learn.cbs
+    learn.to_contiguous()
+    assert not any(type(c).__name__ == 'ChannelsLast' for c in learn.cbs), learn.cbs
+print('RELOADED OK')
+'''
+
+def test_modules_reloaded_keep_working(tmp_path):
+    """`importlib.reload` of clfast's modules (`%autoreload` after an edit): fit and export ran fastai's method through
+    clfast's wrapper wrapping itself (RecursionError), and callbacks made before the reload went unrecognised
+    (`to_fp16` left two MixedPrecision, `to_contiguous` kept ChannelsLast)"""
+    import subprocess, sys
+    r = subprocess.run([sys.executable, '-c', RELOADED, str(tmp_path/'export.pkl')], capture_output=True, text=True, timeout=300)
+    assert 'RELOADED OK' in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

@@ -23,11 +23,13 @@ from .machine import keep_heap_steady
 import clfast.callback
 
 # %% auto #0
-__all__ = ['N_DIGITS', 'digits_dls', 'simple_cnn', 'demo_learner', 'Throughput', 'EpochLine', 'auto_amp', 'demo_device',
-           'run_demo', 'format_results', 'main']
+__all__ = ['N_DIGITS', 'VALID_PCT', 'digits_dls', 'simple_cnn', 'demo_learner', 'Throughput', 'EpochLine', 'auto_amp',
+           'demo_device', 'run_demo', 'format_results', 'main']
 
-# %% ../nbs/03_demo.ipynb #7eda68b4
-def digits_dls(bs:int=64, size:int=32, valid_pct:float=0.2, seed:int=42, device=None, n_items:int|None=None) -> DataLoaders:
+# %% ../nbs/03_demo.ipynb #c6513d3f
+N_DIGITS, VALID_PCT = 1797, 0.2   # scikit-learn's bundled digits; the demo's validation share
+
+def digits_dls(bs:int=64, size:int=32, valid_pct:float=VALID_PCT, seed:int=42, device=None, n_items:int|None=None) -> DataLoaders:
     """scikit-learn's 1,797 bundled handwritten digits (or the first `n_items`) as 3 x `size` x `size` images, split
     `valid_pct`, normalized per batch. Built as fastai builds any: `Datasets` of `TensorImage`s and `Categorize`d labels,
     so `learn.predict`, `tta`, `show_results` and `export` (which fastai alone loads) work on it"""
@@ -99,9 +101,7 @@ def auto_amp(device) -> str:
         return 'none' if chosen == torch.float32 else _DTYPE_NAMES[chosen]
     return 'fp16' if device.type in ('cuda', 'mps') else 'bf16'
 
-# %% ../nbs/03_demo.ipynb #65193a4d
-N_DIGITS = 1797   # scikit-learn's bundled digits
-
+# %% ../nbs/03_demo.ipynb #d76a1567
 def demo_device(device=None, bs:int=64, n_items:int|None=None) -> torch.device:
     """The device the demo trains on (`device`, default fastai's), after checking that it exists here and that the
     digits make at least one training batch of `bs` (fastai drops a last partial batch: an epoch of none trained on
@@ -111,9 +111,9 @@ def demo_device(device=None, bs:int=64, n_items:int|None=None) -> torch.device:
     if dev.type == 'cuda' and not torch.cuda.is_available(): raise ValueError(f"device {device!r}: no CUDA GPU here; use cpu")
     if dev.type == 'mps' and not torch.backends.mps.is_available(): raise ValueError(f"device {device!r}: no MPS here; use cpu")
     n = min(n_items or N_DIGITS, N_DIGITS)
-    n_valid = int(0.2 * n)   # as `digits_dls` splits (fastai's RandomSplitter)
+    n_valid = int(VALID_PCT * n)   # as `digits_dls` splits (fastai's RandomSplitter)
     if n - n_valid < bs or n_valid < 1:
-        need = next(k for k in range(2, N_DIGITS + 1) if k - int(0.2 * k) >= bs and int(0.2 * k) >= 1)
+        need = next(k for k in range(2, N_DIGITS + 1) if k - int(VALID_PCT * k) >= bs and int(VALID_PCT * k) >= 1)
         raise ValueError(f"{n} digit{'s' * (n != 1)} leave{'s' * (n == 1)} {n - n_valid} to train on and {n_valid} to validate: at least one training "
                          f"batch of {bs} (fastai drops a partial one) and one digit to validate are needed; use at least "
                          f"{need} items, or a smaller batch size")

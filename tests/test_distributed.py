@@ -1,6 +1,6 @@
 """Multi-process training with real processes: 2 ranks on gloo over loopback, spawned by each test and bounded in time
 (every collective times out after `TIMEOUT` s, and a rank that raises ends the test with its error)."""
-import contextlib, copy, faulthandler, os, socket, subprocess, sys, textwrap, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
+import contextlib, copy, faulthandler, os, socket, subprocess, sys, tempfile, textwrap, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
 from pathlib import Path
 import torch.nn.functional as F
 from datetime import timedelta
@@ -325,7 +325,9 @@ def _failing_worker(rank, init):
     if rank == 1: raise ValueError("boom in rank 1")
     dist.barrier()   # rank 0 waits for a rank that is gone
 
-def test_error_in_one_rank_ends_the_test(tmp_path):
+def test_error_in_one_rank_ends_the_test(tmp_path, monkeypatch):
+    # torch.multiprocessing keeps a failed process's error file (pytorch-errorfile-*.pickle): in the test's own folder
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
     t = time.time()
     with pytest.raises(mp.ProcessRaisedException, match="boom in rank 1"): _spawn(_failing_worker, str(tmp_path/'init'))
     assert time.time() - t < TIMEOUT

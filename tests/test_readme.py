@@ -18,7 +18,8 @@ def test_torchrun_example_trains_to_the_demos_accuracy(tmp_path):
     cmd = _block_after("and start one process per GPU", 'bash').splitlines()[0].split('#')[0].split()
     assert cmd == ['torchrun', '--nproc_per_node', '2', 'train.py']
     torchrun = Path(sys.executable).parent/'torchrun'   # this environment's, as an activated venv would find it
-    env = {**os.environ, 'PYTHONPATH': str(README.parent)}
+    # TMPDIR: torchrun's log folder (torchelastic_*), which it leaves behind, goes with the test's own folder
+    env = {**os.environ, 'PYTHONPATH': str(README.parent), 'TMPDIR': str(tmp_path)}
     p = subprocess.run([str(torchrun), *cmd[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     acc = dict(re.findall(r"process (\d) of 2: accuracy ([\d.]+)", p.stdout))

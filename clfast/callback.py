@@ -44,14 +44,18 @@ def _fused_nothing(model:nn.Module, mode:str) -> str|None:
         why = f" (first skipped: {report.skipped[0][0]}: {report.skipped[0][1]})" if report.skipped else " (it has no conv followed by a BatchNorm2d)"
         return f"fuse={mode!r} fused nothing in this model{why}; `fusion_report(learn.model)` lists every reason."
 
-# %% ../nbs/02_callback.ipynb #1c0ef635
-_OWN_EVENTS = ('before_fit', 'before_validate', 'before_batch', 'after_fit')
+# %% ../nbs/02_callback.ipynb #6d49069b
+def _has_unmade(model:nn.Module) -> bool:
+    "Whether `model` has a lazy module (`nn.LazyConv2d`, `nn.LazyBatchNorm2d`) not yet run, whose parameters have no shape yet"
+    return any(isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params() for m in model.modules())
+
+_OWN_EVENTS = ('before_fit', 'before_validate', 'before_batch', 'after_batch', 'after_fit')
 
 @fastai_signature(fastai_cl.ChannelsLast)
 class ChannelsLast(_StateDefaults, Callback):
     "Channels-last training: the model and every batch's 4D/5D image tensors in `channels_last`(`_3d`)"
     order = -1   # as fastai's: before model-wrapping callbacks (DistributedTrainer is 11) and MixedPrecision (10)
-    _added_state = dict(user_events={}, fuse=None, guarded_on=None, ranks=frozenset({4, 5}), prepared=False)   # since its first pickles
+    _added_state = dict(user_events={}, fuse=None, guarded_on=None, ranks=frozenset({4, 5}), prepared=False, unmade=False)   # since its first pickles
     def __init__(self, *,
         fuse:str|bool=False, # Fuse conv-BN(-ReLU)(+add) blocks: 'speed', 'memory' or False
         **events # fastai event functions (`after_fit=fn`); one for an event ChannelsLast uses runs after its own work
@@ -63,6 +67,7 @@ class ChannelsLast(_StateDefaults, Callback):
         self.ranks = frozenset({4, 5})   # the batch tensors' ranks to convert: those the model's convs take (`conv_ranks`)
         self.said = set()   # what this callback warned about: each once, not at every fit
         self.prepared = False   # `before_fit` ran and `after_fit` has not: the model is in the format, its ranks known
+        self.unmade = False   # the model has lazy modules not yet run (no shapes): prepared again once they have run
 
     def _user(self, event:str):
         if event in self.user_events: self.user_events[event](self)
@@ -73,17 +78,23 @@ class ChannelsLast(_StateDefaults, Callback):
             warn_user("ChannelsLast: the model has no 2D or 3D convolution, so the channels-last format changes "
                       "nothing for it; remove the callback or call `learn.to_contiguous()`.", once_for=self)
         self._check_single_amp()
-        if self.fuse and not is_fused(self.model): self.fuse_model()
+        self._prepare()
+        self.prepared = True
+        self._user('before_fit')
+
+    def _prepare(self, made:bool=False):
+        "Fuse (as asked), convert and guard the model and its optimizer's state; `made`: lazy modules have just run"
+        if self.fuse and (made or not is_fused(self.model)): self.fuse_model()
         model_to(self.model, channels_last=True)
         self._guard(again=True)
         opt_state_to(self.opt, channels_last=True)
-        self.prepared = True
-        self._user('before_fit')
+        self.unmade = _has_unmade(self.model)
 
     def fuse_model(self):
         "Fuse the learner's model in the `fuse` mode (without the CPU guards, which `_guard` puts back where needed)"
         why = _fused_nothing(unguard_model(self.model), self.fuse)
-        if why: warn_user(why, once_for=self)
+        # lazy modules not yet run have no shapes to fuse: said, if still so, once they have run (`after_batch`)
+        if why and not _has_unmade(self.model): warn_user(why, once_for=self)
 
     def before_validate(self):
         # `get_preds(inner=True)` runs no `before_fit`; `predict`, `get_preds` and `validate` run it just before, with
@@ -107,6 +118,12 @@ class ChannelsLast(_StateDefaults, Callback):
     def before_batch(self):
         self.learn.xb = to_channels_last(self.xb, self.ranks)   # a 5D clip for a model of 2D convs stays as it is
         self._user('before_batch')
+
+    def after_batch(self):
+        # the step that first ran a lazy module gave it its shapes (`nn.LazyConv2d`): from the next step it is fused,
+        # channels-last and guarded as any (the same parameters: the optimizer's stay)
+        if self.unmade and not _has_unmade(self.model): self._prepare(made=True)
+        self._user('after_batch')
 
     def interrupted(self, e:BaseException):
         "A step's exception (clfast's `one_batch`): where a model `.view`ed the channels-last batch, say why and what to do"

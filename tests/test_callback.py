@@ -380,3 +380,29 @@ def test_unguardable_conv_said_once_per_model(monkeypatch):
         learn.to_channelslast(use_amp=False); _fit(learn); _fit(learn)
     said = [str(x.message) for x in w if 'cannot guard them' in str(x.message)]
     assert len(said) == 1 and said[0].startswith('clfast guard: 0 (MyConv) would reach'), said
+
+def _lazy_net():
+    return nn.Sequential(nn.LazyConv2d(8, 1, stride=2), nn.LazyBatchNorm2d(), nn.ReLU(),
+                         nn.LazyConv2d(8, 3, padding=1), nn.LazyBatchNorm2d(), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+
+@pytest.mark.parametrize('fuse', [False, 'speed'])
+def test_lazy_modules_prepared_once_they_have_run(fuse):
+    """A model of lazy modules (no shapes before its first batch; fastai trains it) fits: from the second step its convs
+    are channels-last, guarded as this machine needs (as `guard_model` guards the same model made eagerly) and fused
+    as asked, over the parameters the optimizer holds"""
+    from clfast.fuse import is_fused
+    seen = []
+    class Seen(Callback):
+        def before_batch(self): seen.append([type(m) for m in self.learn.model])
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', ClfastWarning)   # no "fused nothing": the lazy pairs are fused once they have run
+        learn = Learner(image_dls(), _lazy_net(), loss_func=CrossEntropyLossFlat(), opt_func=Adam).to_channelslast(use_amp=False, fuse=fuse)
+        _fit(learn, Seen())
+    eager = _lazy_net(); eager(torch.randn(2, 3, 16, 16))
+    Learner(image_dls(), eager, loss_func=CrossEntropyLossFlat()).to_channelslast(use_amp=False, fuse=fuse)   # fused, guarded
+    assert seen[1] == seen[-1] == [type(m) for m in eager]   # from the second step on, as made eagerly
+    assert is_fused(learn.model) == bool(fuse)
+    assert all(is_channels_last(p) for p in learn.model.parameters() if p.dim() == 4)
+    held = {id(p) for g in learn.opt.param_lists for p in g}
+    assert held == {id(p) for p in learn.model.parameters()}

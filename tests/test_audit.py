@@ -28,6 +28,16 @@ class Wrap(nn.Module):
 
 # --- culprits found with the right module ---
 
+class ContiguousAfterConv(nn.Module):
+    def __init__(self): super().__init__(); self.conv = nn.Conv2d(8, 8, 3, padding=1)
+    def forward(self, x): return self.conv(x).contiguous()
+
+@pytest.mark.parametrize('bs', [4, 8])
+def test_activation_shaped_as_a_weight(bs):
+    "Weights are told by what each op takes, not by shape: at batch 8 the activations are shaped as the conv's weight (8, 8, 3, 3)"
+    r = cl_audit(ContiguousAfterConv(), size=3, bs=bs, c=8)
+    assert rows(r) == [('', 'aten.clone', 'forward', 'convert')] and r.events['shape'][0] == (bs, 8, 3, 3)
+
 def test_instance_norm():
     r = cl_audit(Wrap(nn.Sequential(nn.ReLU(), nn.InstanceNorm2d(8))))
     assert ('body.1', 'aten.clone', 'forward', 'convert') in rows(r)

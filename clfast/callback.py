@@ -44,11 +44,7 @@ def _fused_nothing(model:nn.Module, mode:str) -> str|None:
         why = f" (first skipped: {report.skipped[0][0]}: {report.skipped[0][1]})" if report.skipped else " (it has no conv followed by a BatchNorm2d)"
         return f"fuse={mode!r} fused nothing in this model{why}; `fusion_report(learn.model)` lists every reason."
 
-# %% ../nbs/02_callback.ipynb #6d49069b
-def _has_unmade(model:nn.Module) -> bool:
-    "Whether `model` has a lazy module (`nn.LazyConv2d`, `nn.LazyBatchNorm2d`) not yet run, whose parameters have no shape yet"
-    return any(isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params() for m in model.modules())
-
+# %% ../nbs/02_callback.ipynb #34f3023e
 _OWN_EVENTS = ('before_fit', 'before_validate', 'before_batch', 'after_batch', 'after_fit')
 
 @fastai_signature(fastai_cl.ChannelsLast)
@@ -88,13 +84,13 @@ class ChannelsLast(_StateDefaults, Callback):
         model_to(self.model, channels_last=True)
         self._guard(again=True)
         opt_state_to(self.opt, channels_last=True)
-        self.unmade = _has_unmade(self.model)
+        self.unmade = has_unrun_lazy(self.model)
 
     def fuse_model(self):
         "Fuse the learner's model in the `fuse` mode (without the CPU guards, which `_guard` puts back where needed)"
         why = _fused_nothing(unguard_model(self.model), self.fuse)
         # lazy modules not yet run have no shapes to fuse: said, if still so, once they have run (`after_batch`)
-        if why and not _has_unmade(self.model): warn_user(why, once_for=self)
+        if why and not has_unrun_lazy(self.model): warn_user(why, once_for=self)
 
     def before_validate(self):
         # `get_preds(inner=True)` runs no `before_fit`; `predict`, `get_preds` and `validate` run it just before, with
@@ -122,7 +118,7 @@ class ChannelsLast(_StateDefaults, Callback):
     def after_batch(self):
         # the step that first ran a lazy module gave it its shapes (`nn.LazyConv2d`): from the next step it is fused,
         # channels-last and guarded as any (the same parameters: the optimizer's stay)
-        if self.unmade and not _has_unmade(self.model): self._prepare(made=True)
+        if self.unmade and not has_unrun_lazy(self.model): self._prepare(made=True)
         self._user('after_batch')
 
     def interrupted(self, e:BaseException):

@@ -211,6 +211,31 @@ def test_audit_channelslast_leaves_a_fitted_learner_as_it_was():
         assert torch.equal(torch.get_rng_state(), rng) and learn.dls.train.rng.getstate() == shuffle
         assert learn.loss_func is lf
 
+class LazyThrash(nn.Module):
+    "Lazy modules (shaped by their first call) and a layout loss after them"
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.LazyConv2d(8, 3, padding=1), nn.LazyBatchNorm2d(), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    def forward(self, x): return self.head(self.body(x).contiguous())
+
+def test_lazy_modules_audited():
+    """A model of lazy modules not yet run is audited as any (they are shaped first, as their first call shapes them),
+    by `audit`, `audit_channelslast` and the `ChannelsLastAudit` callback; the learner then trains"""
+    from fastai.vision.all import Learner
+    import clfast.callback   # clfast's `to_channelslast` (fastai's crashes on lazy modules)
+    from helpers import image_dls
+    r = audit(LazyThrash(), to_channels_last(torch.randn(4, 3, 8, 8)))
+    assert ('', 'aten.clone', 'forward', 'convert') in rows(r)
+    learn = Learner(image_dls(), LazyThrash(), loss_func=CrossEntropyLossFlat()).to_channelslast(use_amp=False)
+    assert ('', 'aten.clone', 'forward', 'convert') in rows(learn.audit_channelslast())
+    assert type(learn.model.body[0]) is nn.Conv2d   # made (the audit gives back the weights as they were once made)
+    cb = ChannelsLastAudit()
+    learn = Learner(image_dls(), LazyThrash(), loss_func=CrossEntropyLossFlat()).to_channelslast(use_amp=False)
+    with warnings.catch_warnings(), learn.no_bar(), learn.no_logging():
+        warnings.simplefilter('ignore'); learn.fit(1, cbs=cb)
+    assert ('', 'aten.clone', 'forward', 'convert') in rows(cb.report)
+
 def test_bad_input():
     with pytest.raises(TypeError, match='nn.Module'): audit(lambda x: x, torch.randn(1))
     with pytest.raises(ValueError, match='backward=False'): audit(nn.Identity(), torch.randn(2, 3, 4, 4))

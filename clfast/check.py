@@ -105,17 +105,22 @@ def conv_numerics(conv:dict, hw:list, precision:str='float32', n:int=2, seed:int
     ok = errs[worst] <= CHECK_TOLERANCE[precision]
     return dict(status='ok' if ok else 'wrong', error=errs[worst], worst=worst)
 
-# %% ../nbs/06_check.ipynb #8a8e5602
+# %% ../nbs/06_check.ipynb #c35147de
 def check_worker(stdin=None, stdout=None):
     "The child process of `check_channelslast`: run each case of the JSON list on `stdin`, one JSON line per step"
-    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    if stdout is None:
+        # the protocol on a private copy of fd 1, and fd 1 (and `sys.stdout`) on stderr: a library that writes to stdout
+        # (oneDNN with ONEDNN_VERBOSE=1 set, a print) would otherwise put lines in it that the parent cannot read
+        stdout = os.fdopen(os.dup(1), 'w')
+        sys.stdout.flush(); os.dup2(2, 1); sys.stdout = sys.stderr
+    stdin = stdin or sys.stdin
     for key, conv, hw, precision in json.load(stdin):
         print(json.dumps(dict(key=key, started=True)), file=stdout, flush=True)
         try: res = conv_numerics(conv, hw, precision)
         except Exception as e: res = dict(status='error', error=float('nan'), worst=f"{type(e).__name__}: {e}"[:200])
         print(json.dumps(dict(key=key, **res)), file=stdout, flush=True)
 
-# %% ../nbs/06_check.ipynb #45812994
+# %% ../nbs/06_check.ipynb #157239f9
 _CHILD = [sys.executable, '-c', 'from clfast.check import check_worker; check_worker()']
 
 class CheckNotStarted(RuntimeError):
@@ -131,35 +136,42 @@ def _run_child(cases:list, timeout:float, startup:float) -> dict:
     while pending:
         with tempfile.TemporaryFile() as err:
             proc = subprocess.Popen(_CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=os.environ.copy())
-            proc.stdin.write(json.dumps(pending).encode()); proc.stdin.close()
-            current, buf, deadline, done = None, b'', time.monotonic() + startup + timeout, 0
-            while True:
-                left = deadline - time.monotonic()
-                ready = select.select([proc.stdout], [], [], max(left, 0))[0] if left > 0 else []
-                if not ready:   # a hang: the case running is the finding
-                    proc.kill(); proc.wait()
-                    if current is not None:
-                        results[current] = dict(status='timeout', error=float('nan'), worst=f"no result in {timeout:.0f} s",
-                                                timeout=timeout)
-                    elif not done: raise CheckNotStarted(f"did not start within {startup + timeout:.0f} s")
-                    break   # (hung between two cases: no conv's finding; the next child goes on)
-                chunk = os.read(proc.stdout.fileno(), 1 << 16)
-                if not chunk:   # the child ended
-                    rc = proc.wait()
-                    err.seek(0); tail = err.read().decode(errors='replace').strip().splitlines()
-                    why = f"died ({'signal ' + str(-rc) if rc < 0 else 'exit ' + str(rc)}" + (f": {tail[-1][:160]})" if tail else ')')
-                    if current is not None: results[current] = dict(status='crashed', error=float('nan'), worst=f"child process {why}")
-                    elif not done: raise CheckNotStarted(why)
-                    break
-                buf += chunk
-                *lines, buf = buf.split(b'\n')
-                for line in lines:
-                    msg = json.loads(line)
-                    if msg.pop('started', False): current, deadline = msg['key'], time.monotonic() + timeout
-                    else: results[msg.pop('key')] = msg; current = None; done += 1
-            proc.stdout.close()
+            try: _read_child(proc, err, pending, results, timeout, startup)
+            finally:   # whatever ended the reading (a KeyboardInterrupt too): no child left behind, hung or computing
+                if proc.poll() is None: proc.kill(); proc.wait()
+                proc.stdout.close()
         pending = [c for c in pending if c[0] not in results]
     return results
+
+def _read_child(proc, err, pending:list, results:dict, timeout:float, startup:float):
+    "One child's run of `pending`: its results into `results`, until it ends, hangs or has done them all"
+    proc.stdin.write(json.dumps(pending).encode()); proc.stdin.close()
+    current, buf, deadline, done = None, b'', time.monotonic() + startup + timeout, 0
+    while True:
+        left = deadline - time.monotonic()
+        # timeout=inf: no limit (select takes no infinite timeout, only None)
+        ready = select.select([proc.stdout], [], [], None if left == float('inf') else left)[0] if left > 0 else []
+        if not ready:   # a hang: the case running is the finding
+            proc.kill(); proc.wait()
+            if current is not None:
+                results[current] = dict(status='timeout', error=float('nan'), worst=f"no result in {timeout:.0f} s",
+                                        timeout=timeout)
+            elif not done: raise CheckNotStarted(f"did not start within {startup + timeout:.0f} s")
+            return   # (hung between two cases: no conv's finding; the next child goes on)
+        chunk = os.read(proc.stdout.fileno(), 1 << 16)
+        if not chunk:   # the child ended
+            rc = proc.wait()
+            err.seek(0); tail = err.read().decode(errors='replace').strip().splitlines()
+            why = f"died ({'signal ' + str(-rc) if rc < 0 else 'exit ' + str(rc)}" + (f": {tail[-1][:160]})" if tail else ')')
+            if current is not None: results[current] = dict(status='crashed', error=float('nan'), worst=f"child process {why}")
+            elif not done: raise CheckNotStarted(why)
+            return
+        buf += chunk
+        *lines, buf = buf.split(b'\n')
+        for line in lines:
+            msg = json.loads(line)
+            if msg.pop('started', False): current, deadline = msg['key'], time.monotonic() + timeout
+            else: results[msg.pop('key')] = msg; current = None; done += 1
 
 # %% ../nbs/06_check.ipynb #62557161
 _COLS = ['layers', 'cin', 'cout', 'k', 'stride', 'padding', 'groups', 'hw', 'precision', 'status', 'error', 'worst', 'cached']

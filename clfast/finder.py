@@ -218,7 +218,7 @@ class _Lockstep:
         if not self.on: return err
         return next((f"rank {r}: {e}" for r, e in enumerate(self.gather(err)) if e), None)
 
-# %% ../nbs/30_finder.ipynb #2ab1e4e1
+# %% ../nbs/30_finder.ipynb #2b80d172
 def _grad_drift(grads:dict, base:dict) -> float:
     "Largest relative L2 difference of a parameter's gradient from the baseline's (the same weights, batch and dropout)"
     if not base: return math.nan
@@ -299,7 +299,8 @@ def measure_setups(model:nn.Module, batches:list, loss_func, make_opt, setups:li
     "Train a copy of `model` in each setup on `batches` (`[(xb, yb)]`) and tabulate speed, memory and loss drift"
     if not has_conv(model): raise ValueError("the model has no 2D or 3D convolution: channels-last, fusion and their "
                                              "precisions change nothing for it, so there is nothing to find.")
-    if not batches or not any(is_image_tensor(t) for t in batches[0][0]):
+    if not batches: raise ValueError("measure_setups: no batches to measure on (`batches` is empty)")
+    if not any(is_image_tensor(t) for t in batches[0][0]):
         raise ValueError("the batches hold no 4D/5D floating-point image tensor: the format finder measures image models.")
     device = torch.device(device or next(model.parameters()).device)
     setups = list(setups or default_setups(device))
@@ -382,7 +383,7 @@ def _table(setups, trainers, errors, bs, device) -> pd.DataFrame:
     df.attrs['memory'] = "the step's peak over what it found allocated" if device.type == 'cuda' else 'saved activations'
     return df
 
-# %% ../nbs/30_finder.ipynb #b2c278b3
+# %% ../nbs/30_finder.ipynb #d1b03708
 NUMERICS_SLACK = 3.   # a setup is as precise as its stock setup when its gradient error is at most this multiple
 # fp32's resolution of the judged gradients: below it, which setup is closer to fp64 is rounding, either way. On this
 # project's test learner, 420 runs: stock contiguous 0.6-2.7e-6, channels-last at most 6.7e-6 (clfast's precise BN
@@ -411,7 +412,17 @@ def plot_setups(df:pd.DataFrame, ax=None):
 
 _finds = weakref.WeakKeyDictionary()   # learner -> (what the result depends on, the table)
 
-def _find_key(learn): return (id(learn.model), sum(p.numel() for p in learn.model.parameters()), learn.dls.train.bs)
+def _find_key(learn):
+    """What a table's verdict depends on: the model, its size, the training batches (their loader: a new `dls`, as
+    progressive resizing sets, brings other image sizes) and their batch size. Objects by weak reference, so that one
+    made where a freed one was (the same `id`) is not taken for it"""
+    return (weakref.ref(learn.model), sum(p.numel() for p in learn.model.parameters()), weakref.ref(learn.dls.train),
+            learn.dls.train.bs)
+
+def _same_key(a, b) -> bool:
+    "Whether two `_find_key`s are of the same objects (a dead reference matches nothing) and sizes"
+    same = lambda x, y: (x() is not None and x() is y()) if isinstance(x, weakref.ref) else x == y
+    return a is not None and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 @patch
 def format_find(self:Learner,
@@ -430,6 +441,10 @@ def format_find(self:Learner,
     with _RNGStates(self.dls.train):
         batches = [(tuple(t.to(device) for t in xb), tuple(t.to(device) for t in yb))
                    for xb,yb in _learner_batches(self, n_batches + 1)]
+        if not batches:   # (measure_setups would say the batches hold no image)
+            dl = self.dls.train
+            raise ValueError(f"format_find: learn.dls.train gives no batch ({getattr(dl, 'n', '?')} training items, bs="
+                             f"{getattr(dl, 'bs', '?')}, drop_last={getattr(dl, 'drop_last', '?')}): there is nothing to measure on, and `fit` would not train either.")
         df = measure_setups(self.model, batches, self.loss_func, _make_opt(self),
                             setups or default_setups(device, compile), device, budget)
     _finds[self] = (_find_key(self), df)
@@ -456,7 +471,7 @@ def best_setup(df:pd.DataFrame) -> tuple:
                           f"(fp32: or {FP32_FLOOR:g}): {', '.join(imprecise)}")
     return setups[name], why
 
-# %% ../nbs/30_finder.ipynb #a529c3f5
+# %% ../nbs/30_finder.ipynb #7889ca92
 def apply_setup(learn:Learner, setup:Setup, why:str='') -> Learner:
     "Set `learn` up as `setup` says, through `to_channelslast` / `to_contiguous`, printing `why`"
     learn.to_fp32()
@@ -471,7 +486,7 @@ def apply_setup(learn:Learner, setup:Setup, why:str='') -> Learner:
 def auto_setup(learn:Learner, **kwargs) -> Learner:
     "Find (or reuse) this learner's fastest correct setup and apply it"
     key, df = _finds.get(learn, (None, None))
-    if df is None or key != _find_key(learn): df = learn.format_find(show_plot=False, **kwargs)
+    if df is None or not _same_key(key, _find_key(learn)): df = learn.format_find(show_plot=False, **kwargs)
     return apply_setup(learn, *best_setup(df))
 
 # %% ../nbs/30_finder.ipynb #de04a2c7

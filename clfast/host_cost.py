@@ -153,7 +153,7 @@ def launches(dtype=torch.float32, act='relu', residual=False, mode='speed', shap
     with profile(activities=[ProfilerActivity.CPU]) as q: s()
     return dict(triton=names, aten=kernel_ops(p), stock=kernel_ops(q))
 
-# %% ../nbs/28_host_cost.ipynb #e5c0a009
+# %% ../nbs/28_host_cost.ipynb #df3dc57b
 def _issued(step, k:int):
     "`k` steps issued back to back, then the GPU synchronized: host-bound where a step's GPU work is tiny"
     def run():
@@ -166,6 +166,14 @@ def _paired_us(stock, fused, pairs:int, k:int=1) -> tuple[float, float]:
     ratio, t = paired_ratio(stock, fused, pairs)
     return ratio * t / k * 1e6, t / k * 1e6
 
+def _device_kind(device) -> str:
+    "'cpu' or 'cuda' for `device` ('cuda:0' and `torch.device`s too); a clear error for any other (it used to get the CPU proxy's figures, labelled as asked)"
+    try: kind = torch.device(device).type
+    except (RuntimeError, TypeError): kind = None
+    if kind not in ('cpu', 'cuda'):
+        raise ValueError(f"device={device!r} must be 'cpu' (the proxy) or a CUDA device ('cuda', 'cuda:0')")
+    return kind
+
 def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', channels:int=64, n:int=200,
                device:str='cpu', k:int=20, stub_convs:bool=False) -> dict:
     """The host time of one layer step, in us, both ways on tensors of 2 values a channel, so that the kernels' work is
@@ -176,13 +184,15 @@ def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', ch
     shorter than the host's), per step; the fused step both ways Triton's kernels can be launched (`fused` Triton's
     own, `fused_compiled` through the compiled kernels). `stub_convs` (the CPU proxy's): both steps' convs computing
     nothing (`stubbed_convs`), what a change of a few us needs to show"""
-    shape = (2, channels, 1, 1)
-    if stub_convs and device != 'cpu': raise ValueError("stub_convs is the CPU proxy's: a GPU's convs are launches already")
-    if device == 'cuda':
-        fused = _issued(fused_step(dtype, act, residual, mode, shape, device='cuda'), k)
-        stock = _issued(stock_step(dtype, act, residual, shape, device='cuda'), k)
-        with tk.launching('compiled'): compiled, _ = _paired_us(stock, fused, n, k)
-        f, s = _paired_us(stock, fused, n, k)
+    shape, kind = (2, channels, 1, 1), _device_kind(device)
+    if stub_convs and kind != 'cpu': raise ValueError("stub_convs is the CPU proxy's: a GPU's convs are launches already")
+    if kind == 'cuda':
+        dev = torch.device(device)
+        with torch.cuda.device(dev):   # 'cuda:1' too: its steps, and `_issued`'s synchronizations, on that GPU
+            fused = _issued(fused_step(dtype, act, residual, mode, shape, device=dev), k)
+            stock = _issued(stock_step(dtype, act, residual, shape, device=dev), k)
+            with tk.launching('compiled'): compiled, _ = _paired_us(stock, fused, n, k)
+            f, s = _paired_us(stock, fused, n, k)
         return dict(fused=f, fused_compiled=compiled, stock=s)
     ops.kernels_ready()
     convs = stubbed_convs() if stub_convs else contextlib.nullcontext()
@@ -195,8 +205,8 @@ CASES = [(torch.float32, 'relu', False), (torch.float32, 'relu', True), (torch.b
 
 def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu', pairs:int=200, stub_convs:bool=False) -> str:
     "A markdown table: per layer step, the kernels launched (fused: Triton + ATen; stock) and the host time (`host_times` on `device`, in `pairs` pairs)"
-    where = 'CPU proxy' + (', convs stubbed' if stub_convs else '') if device == 'cpu' else device
-    gpu = device == 'cuda'
+    gpu = _device_kind(device) == 'cuda'
+    where = str(device) if gpu else 'CPU proxy' + (', convs stubbed' if stub_convs else '')
     compiled = " fused host us, compiled launches | ratio |" if gpu else ''
     rows = [f"| layer step | fused launches (Triton + ATen) | stock launches | fused host us ({where}) | stock host us | "
             f"ratio |{compiled}", "|---|---|---|---|---|---|" + ('---|---|' if gpu else '')]

@@ -113,6 +113,9 @@ def test_bad_input_clear_message_nothing_changed():
                     loss_func=MSELossFlat())
     with pytest.raises(ValueError, match='no 2D or 3D convolution'): learn.format_find(show_plot=False)
     assert learn.cbs.map(type).filter(lambda t: t is ChannelsLast) == []
+    # a training loader with no batch (fewer items than bs, drop_last): said so, not "no image tensor"
+    with pytest.raises(ValueError, match=r'learn.dls.train gives no batch \(12 training items, bs=16, drop_last=True\)'):
+        Learner(image_dls(n=16), conv_net(), loss_func=CrossEntropyLossFlat()).format_find(show_plot=False)
     learn.model[0] = nn.Conv2d(4, 4, 3)   # a 2D conv, but sequences for batches
     with pytest.raises(ValueError, match='no 4D/5D floating-point image'): learn.format_find(show_plot=False)
     # counts: 0 batches timed the warm-up's batch again, -1 every batch of the epoch, each without a word
@@ -160,6 +163,20 @@ def test_to_channelslast_auto_applies_the_best_and_reuses_the_table(monkeypatch,
     if best.fuse: assert isinstance(learn.model[0][0], FusedConvBN2d)
     _fit(learn)
     with pytest.raises(ValueError, match=r'auto=True\) chooses'): learn.to_channelslast(auto=True, fuse='speed')
+
+def test_auto_measures_again_for_new_dataloaders(monkeypatch):
+    """New `dls` (progressive resizing: other image sizes, the same batch size) make the table stale: auto measures
+    again (it used to reuse the table of the old image size); the same dls reuse it"""
+    learn = learner()
+    df = learn.format_find(setups=[BASELINE, Setup()], n_batches=2, show_plot=False)
+    shapes = []
+    monkeypatch.setattr(finder, 'measure_setups', lambda model, batches, *a, **k: (shapes.append(batches[0][0][0].shape), df)[1])
+    learn.to_contiguous(); learn.to_channelslast(auto=True)
+    assert shapes == []
+    learn.to_contiguous()
+    learn.dls = image_dls(n=96, size=24)
+    learn.to_channelslast(auto=True)
+    assert shapes == [(16, 3, 24, 24)]
 
 def test_bench_model_table():
     df = bench_model('resnet18', bs=4, size=64, steps=1, progress=False, setups=[BASELINE, Setup()])

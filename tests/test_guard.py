@@ -410,6 +410,47 @@ def test_check_child_failing_before_any_conv_is_an_error(cache_dir, monkeypatch,
     table = check.check_channelslast(net, x)
     assert list(table.status) == ['ok', 'ok'] and not table.cached.any()
 
+@pytest.mark.isa_neutral
+@pytest.mark.parametrize('noise', ['oneDNN verbose', 'a library writing to fd 1'])
+def test_check_child_output_on_stdout_is_not_its_protocol(cache_dir, monkeypatch, noise):
+    """What the child's libraries write to stdout (oneDNN with ONEDNN_VERBOSE=1 in the user's environment, a C library's
+    printf) goes to its stderr: the check used to read it as its protocol and raise a JSONDecodeError, its child left
+    running; it checks every geometry against fp64 instead"""
+    if noise == 'oneDNN verbose': monkeypatch.setenv('ONEDNN_VERBOSE', '1')
+    else:
+        code = ('import os, clfast.check as c; f = c.conv_numerics\n'
+                'c.conv_numerics = lambda *a: (os.write(1, b"noise from a library"), f(*a))[1]\nc.check_worker()')
+        monkeypatch.setattr(check, '_CHILD', [sys.executable, '-c', code])
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 1, stride=2))
+    table = check.check_channelslast(net, torch.randn(2, 3, 8, 8), timeout=60)
+    assert list(table.status) == ['ok', 'ok'] and (table.error < 1e-5).all() and not table.cached.any()
+
+@pytest.mark.isa_neutral
+def test_check_interrupted_leaves_no_child(cache_dir, monkeypatch):
+    """A KeyboardInterrupt (Jupyter's interrupt reaches the kernel only) while the child runs a case kills the child: it
+    used to go on, hung or computing, after the check had ended"""
+    code = 'import json, sys, time\nkey = json.load(sys.stdin)[0][0]\nprint(json.dumps(dict(key=key, started=True)), flush=True)\ntime.sleep(600)'
+    monkeypatch.setattr(check, '_CHILD', [sys.executable, '-c', code])
+    procs, real_popen, real_select = [], check.subprocess.Popen, check.select.select
+    def popen(*a, **k):
+        procs.append(real_popen(*a, **k)); return procs[-1]
+    def select(*a):
+        select.calls += 1
+        if select.calls == 2: raise KeyboardInterrupt   # the second wait: the child has started its case (and hangs in it)
+        return real_select(*a)
+    select.calls = 0
+    monkeypatch.setattr(check.subprocess, 'Popen', popen)
+    monkeypatch.setattr(check.select, 'select', select)
+    with pytest.raises(KeyboardInterrupt):
+        check.check_channelslast(nn.Sequential(nn.Conv2d(3, 8, 3)), torch.randn(2, 3, 8, 8), timeout=60)
+    assert len(procs) == 1 and procs[0].poll() is not None
+
+@pytest.mark.isa_neutral
+def test_check_infinite_timeout_is_no_limit(cache_dir):
+    "timeout=inf (no limit) used to raise OverflowError from select"
+    table = check.check_channelslast(nn.Sequential(nn.Conv2d(3, 8, 3)), torch.randn(2, 3, 8, 8), timeout=float('inf'))
+    assert list(table.status) == ['ok'] and table.error[0] < 1e-5
+
 @pytest.mark.parametrize('fuse', [False, 'speed', 'memory'])
 def test_guard_under_autocast(fuse):
     "Under CPU autocast (bf16) a guarded stem takes the subsample path too; weight gradients within bf16 rounding of fp64"

@@ -66,3 +66,14 @@ def test_the_proxy_times_both_steps_and_stubs_convs_on_the_cpu_only():
         t = host_cost.host_times(n=3, stub_convs=stub)
         assert t['fused'] > 0 and t['stock'] > 0
     with pytest.raises(ValueError, match="CPU proxy's"): host_cost.host_times(n=3, device='cuda', stub_convs=True)
+
+def test_a_device_other_than_the_cpu_or_a_gpu_is_refused():
+    """'cuda:0' is a GPU (it used to get the CPU proxy's figures, and a table labelled 'cuda:0'); a device neither the
+    proxy's nor CUDA's is a clear error, before anything is timed"""
+    for bad in ('mps', 'gpu', 'xla'):
+        with pytest.raises(ValueError, match=rf"device='{bad}' must be 'cpu' \(the proxy\) or a CUDA device"):
+            host_cost.host_times(n=3, device=bad)
+    with pytest.raises(ValueError, match="must be 'cpu'"): host_cost.host_cost_table(device='mps', pairs=3)
+    assert host_cost.host_times(n=3, device=torch.device('cpu'))['fused'] > 0
+    if not torch.cuda.is_available():   # a GPU asked for where there is none: CUDA's error, not the CPU proxy's figures
+        with pytest.raises((RuntimeError, AssertionError)): host_cost.host_times(n=3, device='cuda:0')

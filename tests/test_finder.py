@@ -178,6 +178,16 @@ def test_auto_measures_again_for_new_dataloaders(monkeypatch):
     learn.to_channelslast(auto=True)
     assert shapes == [(16, 3, 24, 24)]
 
+def test_lazy_modules_found_and_trained():
+    "A model of lazy modules not yet run (which cannot be copied) is measured, set up by auto=True, and trains"
+    net = nn.Sequential(nn.LazyConv2d(8, 3, padding=1), nn.LazyBatchNorm2d(), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                        nn.Flatten(), nn.Linear(8, 2))
+    learn = Learner(image_dls(n=96), net, loss_func=CrossEntropyLossFlat(), opt_func=Adam)
+    df = learn.format_find(setups=[BASELINE, Setup()], n_batches=2, show_plot=False, budget=None)
+    assert (df.error == '').all() and len(df) == 2 and (df.samples_per_s > 0).all()
+    learn.to_channelslast(auto=True)   # the table reused
+    _fit(learn)
+
 def test_bench_model_table():
     df = bench_model('resnet18', bs=4, size=64, steps=1, progress=False, setups=[BASELINE, Setup()])
     assert list(df.index) == ['contiguous fp32', 'channels-last fp32'] and (df.error == '').all()

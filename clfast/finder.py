@@ -218,25 +218,46 @@ class _Lockstep:
         if not self.on: return err
         return next((f"rank {r}: {e}" for r, e in enumerate(self.gather(err)) if e), None)
 
-# %% ../nbs/30_finder.ipynb #2b80d172
+# %% ../nbs/30_finder.ipynb #2c3e3202
 def _grad_drift(grads:dict, base:dict) -> float:
-    "Largest relative L2 difference of a parameter's gradient from the baseline's (the same weights, batch and dropout)"
+    "Largest relative L2 difference of a parameter's gradient from the baseline's (the same weights and batch)"
     if not base: return math.nan
     # a parameter whose gradient is negligible next to the largest one (a bias before a BN) only measures rounding noise
     floor = 1e-3 * max(g.norm() for g in base.values())
     res = [((g - base[n]).norm() / (base[n].norm() + floor)).item() for n,g in grads.items() if n in base]
     return max(res, default=math.nan)
 
-def _fp64_grads(model:nn.Module, loss_func, device, xb, yb) -> dict:
-    "Each parameter's gradient of one step of `model` in float64, contiguous and unfused, on `(xb, yb)`; {} where fp64 cannot run"
+def _fp64_grads(model:nn.Module, loss_func, device, xb, yb, channels_last:bool=False) -> dict:
+    """Each parameter's gradient of one step of `model` in float64, unfused, contiguous (or channels-last), on
+    `(xb, yb)`; {} where fp64 cannot run"""
     m = unguard_model(unfuse_conv_bn(_copy(model).train())).to(device).double()
-    model_to(m, channels_last=False)
+    model_to(m, channels_last=channels_last)
     to64 = lambda t: t.to(device, torch.float64) if t.is_floating_point() else t.to(device)
+    fmt = to_channels_last if channels_last else to_contiguous_format
     try:
-        pred = m(*(to_contiguous_format(to64(t)) for t in xb))
+        pred = m(*(fmt(to64(t)) for t in xb))
         loss_func(pred, *(to64(t) for t in yb)).backward()
     except Exception: return {}   # an op without a float64 kernel: no yardstick, and `best_setup` keeps fp32 setups only
     return {n: p.grad.detach().clone() for n, p in m.named_parameters() if p.grad is not None}
+
+def _rng_states(device) -> list:
+    "The random states a step on `device` draws from: torch's CPU generator's, and the GPU's where it is one"
+    return [torch.get_rng_state()] + ([torch.cuda.get_rng_state(device)] if torch.device(device).type == 'cuda' else [])
+
+def _fp64_refs(model:nn.Module, loss_func, device, batch, setups) -> dict:
+    """The yardsticks of one step on `batch` from the random state now: `{channels_last: fp64 gradients}`, one per
+    format of `setups`. A random op draws in memory order (the CPU's dropout on a channels-last map draws another mask
+    than on the same map contiguous), so a channels-last setup is judged against fp64 in channels-last, where the
+    step draws anything; where it draws nothing the formats' fp64 gradients are the same, computed once"""
+    start = _rng_states(device)
+    refs = {False: _fp64_grads(model, loss_func, device, *batch)}
+    if any(s.channels_last for s in setups):
+        drew = any(not torch.equal(a, b) for a, b in zip(start, _rng_states(device)))
+        if drew:   # the contiguous step's draws again, in channels-last order
+            torch.set_rng_state(start[0])
+            if len(start) > 1: torch.cuda.set_rng_state(start[1], device)
+        refs[True] = _fp64_grads(model, loss_func, device, *batch, channels_last=True) if drew else refs[False]
+    return refs
 
 def _first_grads(setup:Setup, model, loss_func, make_opt, device, batch) -> dict:
     "Each parameter's gradient of one untimed step of `setup` from `model`'s weights on `batch` (step 0's dropout masks)"
@@ -258,12 +279,13 @@ def _stock_grads(setups, model, loss_func, make_opt, device, batch, ranks=None) 
         if ranks.error(err): res.pop(dt, None)
     return res
 
-def _judge(tr:_Trainer, grads:dict, ref:dict, stock:dict, base:dict, batch:int=0):
-    "Set `tr`'s gradient figures from its first step's `grads` against fp64's (`ref`) and the stock setups' (`stock`)"
-    dt = tr.setup.dtype
+def _judge(tr:_Trainer, grads:dict, refs:dict, stock:dict, base:dict, batch:int=0):
+    """Set `tr`'s gradient figures from its first step's `grads` against fp64's in its format (`refs`, `_fp64_refs`)
+    and the stock setups' (`stock`, contiguous) against fp64's contiguous"""
+    dt, ref = tr.setup.dtype, refs.get(tr.setup.channels_last, {})
     tr.grad_drift, tr.grad_batch = _grad_drift(grads, base), batch
     tr.grad_error = grad_error(grads, ref) if ref else math.nan
-    tr.stock_grad_error = grad_error(stock[dt], ref) if ref and dt in stock else math.nan
+    tr.stock_grad_error = grad_error(stock[dt], refs[False]) if refs[False] and dt in stock else math.nan
 
 def _second_opinion(trainers:dict, model, loss_func, make_opt, device, batch, ranks=None):
     """Judge again, on a second batch from the same weights, each setup whose first step looked less precise than its
@@ -276,11 +298,11 @@ def _second_opinion(trainers:dict, model, loss_func, make_opt, device, batch, ra
     doubtful = [trainers[s] for s in ranks.share(doubtful)]   # rank 0's doubts: every rank judges the same setups again
     if not doubtful: return
     torch.manual_seed(0)
-    ref = _fp64_grads(model, loss_func, device, *batch)
+    refs = _fp64_refs(model, loss_func, device, batch, [tr.setup for tr in doubtful])
     stock = _stock_grads([BASELINE] + [tr.setup for tr in doubtful], model, loss_func, make_opt, device, batch, ranks)
     for tr in doubtful:
         first, err = (tr.grad_error, tr.stock_grad_error, tr.grad_drift, tr.grad_batch), None
-        try: _judge(tr, _first_grads(tr.setup, model, loss_func, make_opt, device, batch), ref, stock, stock.get(None, {}), 1)
+        try: _judge(tr, _first_grads(tr.setup, model, loss_func, make_opt, device, batch), refs, stock, stock.get(None, {}), 1)
         except Exception as e: err = _err(e)
         if ranks.error(err):
             tr.grad_error, tr.stock_grad_error, tr.grad_drift, tr.grad_batch = first
@@ -324,7 +346,7 @@ def measure_setups(model:nn.Module, batches:list, loss_func, make_opt, setups:li
     t_start = time.perf_counter()
     with _RNGStates():
         torch.manual_seed(0)
-        ref = _fp64_grads(model, loss_func, device, *warm)   # the first step's exact gradients, the setups' yardstick
+        refs = _fp64_refs(model, loss_func, device, warm, setups)   # the first step's exact gradients, the setups' yardsticks
         stock = _stock_grads(setups, model, loss_func, make_opt, device, warm, ranks)
         for s in (progress_bar(setups, leave=False) if progress else setups):   # warm-up, untimed
             err = None
@@ -332,7 +354,7 @@ def measure_setups(model:nn.Module, batches:list, loss_func, make_opt, setups:li
                 trainers[s] = _Trainer(s, model, loss_func, make_opt, device)
                 grads = base_grads if s == BASELINE else {}
                 t0 = time.perf_counter(); step(s, 0, *warm, timed=False, grads=grads); trainers[s].warm = time.perf_counter() - t0
-                _judge(trainers[s], grads, ref, stock, base_grads)
+                _judge(trainers[s], grads, refs, stock, base_grads)
             except Exception as e: err = _err(e)
             if err := ranks.error(err): errors[s] = err; trainers.pop(s, None)
         if len(batches) > 1: _second_opinion(trainers, model, loss_func, make_opt, device, batches[1], ranks)

@@ -178,6 +178,24 @@ def test_auto_measures_again_for_new_dataloaders(monkeypatch):
     learn.to_channelslast(auto=True)
     assert shapes == [(16, 3, 24, 24)]
 
+def test_dropout_on_feature_maps_judged_in_the_setups_format():
+    """The CPU's dropout draws a channels-last map's mask in memory order (another mask than contiguous): each
+    channels-last setup is judged against fp64 in channels-last, as close to it as stock is to fp64 contiguous (it was
+    1.3 off, and every channels-last setup left out); a model that draws nothing is stepped in fp64 once"""
+    from fastai.vision.all import ConvLayer, Flatten
+    net = nn.Sequential(ConvLayer(3, 8), nn.Dropout(0.2), ConvLayer(8, 16, stride=2), nn.AdaptiveAvgPool2d(1), Flatten(), nn.Linear(16, 2))
+    learn = Learner(image_dls(n=96), net, loss_func=CrossEntropyLossFlat(), opt_func=Adam)
+    df = learn.format_find(setups=[BASELINE, Setup(), Setup(fuse='speed')], n_batches=2, show_plot=False, budget=None)
+    assert (df.error == '').all()
+    assert (df.grad_error <= finder.NUMERICS_SLACK * df.stock_grad_error).all(), df[['grad_error', 'stock_grad_error']]
+    assert 'left out' not in best_setup(df)[1]
+    xb, yb = learn.dls.one_batch()
+    torch.manual_seed(0)
+    refs = finder._fp64_refs(learn.model, learn.loss_func, 'cpu', ((xb,), (yb,)), [BASELINE, Setup()])
+    assert max((refs[True][n] - g).norm() / g.norm() for n, g in refs[False].items()) > 1e-2   # other masks
+    refs = finder._fp64_refs(conv_net(), learn.loss_func, 'cpu', ((xb,), (yb,)), [BASELINE, Setup()])
+    assert refs[True] is refs[False]
+
 def test_lazy_modules_found_and_trained():
     "A model of lazy modules not yet run (which cannot be copied) is measured, set up by auto=True, and trains"
     net = nn.Sequential(nn.LazyConv2d(8, 3, padding=1), nn.LazyBatchNorm2d(), nn.ReLU(), nn.AdaptiveAvgPool2d(1),

@@ -369,3 +369,33 @@ def test_gemm_backward_setting_errors(gemm_way):
     with pytest.raises(ValueError, match="'conv', 'gemm', 'timed'"): gemm_way('fast')
     assert gemm_way('gemm') == 'timed' and gemm_way('conv') == 'gemm'
     with pytest.raises(ValueError, match='0 \\(conv\\), 1 \\(gemm\\) or 2'): torch.ops.clfast_cpu.set_gemm_backward(5)
+
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize('name,p', ACT_CASES, ids=ACT_IDS)
+def test_act_formulas_far_out(k, name, p, dtype):
+    """act.h at huge finite z, where each activation is its linear asymptote (the limits of the table's `at_inf`): no
+    overflow in between (hardswish's z * 6 gave inf for fp32 z > FLT_MAX / 6; gelu_tanh's z * z inf times 1 - tanh^2 = 0
+    gave a NaN derivative from |z| = 1.8e19 in fp32, 1.3e154 in fp64, where stock fp64 itself is NaN: no oracle there)"""
+    big = [1e19, 1e20, 6e37, 3e38] + ([1e155, 1e300] if dtype == torch.float64 else [])
+    z = torch.tensor(big + [-v for v in big], dtype=dtype)
+    C = z.numel()
+    x = z.view(1, C, 1, 1).contiguous(memory_format=CL)
+    w = torch.ones(C, 1, 1, 1, dtype=dtype)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    geom = ([1, 1], [0, 0], [1, 1], C)
+    with torch.no_grad():
+        out, y, params = k.layer_fwd(x, w, None, None, None, None, torch.zeros(C, dtype=acc), torch.ones(C, dtype=acc),
+                                     *geom, 0., ACTS[name].code, p, True)
+    at_pos, at_neg, d_pos, d_neg = ACTS[name].at_inf(p)
+    zd = z.double()
+    pos = zd > 0
+    full = lambda v: torch.full_like(zd, v)   # fp64 (torch.where of Python floats would be fp32)
+    want = torch.where(pos, full(at_pos) if math.isfinite(at_pos) else zd,
+                       full(at_neg) if math.isfinite(at_neg) else d_neg * zd)
+    want_dx = torch.where(pos, full(d_pos), full(d_neg))
+    g = torch.ones_like(x)
+    dx = k.layer_bwd(g, x, w, None, y, params, None, torch.empty(0, dtype=dtype), *geom, False, ACTS[name].code, p,
+                     [True, False, False, False, False, False])[0]
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.double().flatten(), want, **tol)
+    torch.testing.assert_close(dx.double().flatten(), want_dx, **tol)

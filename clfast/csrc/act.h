@@ -26,6 +26,8 @@ constexpr double kSqrt1_2 = 0.70710678118654752440;                 // 1/sqrt(2)
 constexpr double kErfPdf = 0.39894228040143267794;                  // 1/sqrt(2*pi)         (gelu's pdf)
 constexpr double kTanhBeta = 0.79788456080286535588;                // sqrt(2/pi)           (gelu_tanh)
 constexpr double kTanhKappa = 0.044715;
+// |z| from which gelu_tanh' is 1 (or 0) to fp64's precision: tanh's argument is past 35000 there, 1 - tanh^2 = 0
+constexpr double kTanhFlat = 100.0;
 
 // `formula` but at z = +-inf, where the smooth activations' formulas meet inf * 0 (NaN): there the mathematical limits
 // `at_pos` / `at_neg` (act(+inf) = +inf, act(-inf) = 0, act'(+inf) = 1, act'(-inf) = 0). Stock PyTorch gives NaN at
@@ -45,7 +47,9 @@ template <int A, typename V> inline V f(V z, V p) {
   else if constexpr (A == kLeaky) return sel(z > k<V>(0), z, z * p);
   else if constexpr (A == kSilu) return limits(z, z / (k<V>(1) + simd::exp(neg(z))), z, k<V>(0));
   else if constexpr (A == kHardswish)
-    return limits(z, z * simd::min(simd::max(z + k<V>(3), k<V>(0)), k<V>(6)) / k<V>(6), z, k<V>(0));
+    // z itself from 3 up (the formula's z * 6 overflows to inf above FLT_MAX / 6), 0 from -3 down (-inf * 0: NaN)
+    return sel(z >= k<V>(3), z,
+               sel(z <= k<V>(-3), k<V>(0), z * simd::min(simd::max(z + k<V>(3), k<V>(0)), k<V>(6)) / k<V>(6)));
   else if constexpr (A == kGelu) return limits(z, z * k<V>(0.5) * (k<V>(1) + simd::erf(z * k<V>(kSqrt1_2))), z, k<V>(0));
   else if constexpr (A == kGeluTanh) {
     const V inner = k<V>(kTanhBeta) * (z + k<V>(kTanhKappa) * z * z * z);
@@ -73,9 +77,11 @@ template <int A, typename V> inline V df(V z, V p) {
   } else if constexpr (A == kGeluTanh) {
     const V z2 = z * z;
     const V t = simd::tanh(k<V>(kTanhBeta) * (z + k<V>(kTanhKappa) * z2 * z));
-    return limits(z, k<V>(0.5) * (k<V>(1) + t) +
-                     k<V>(0.5) * z * (k<V>(1) - t * t) * k<V>(kTanhBeta) * (k<V>(1) + k<V>(3 * kTanhKappa) * z2),
-                  k<V>(1), k<V>(0));
+    const V formula = k<V>(0.5) * (k<V>(1) + t) +
+                      k<V>(0.5) * z * (k<V>(1) - t * t) * k<V>(kTanhBeta) * (k<V>(1) + k<V>(3 * kTanhKappa) * z2);
+    // 1 and 0 from |z| = kTanhFlat on (1 - t*t is 0 there; far out z2 overflows and 0 * inf would be NaN: fp32 from
+    // |z| = 1.8e19)
+    return sel(z >= k<V>(kTanhFlat), k<V>(1), sel(z <= k<V>(-kTanhFlat), k<V>(0), formula));
   } else static_assert(A < 0, "unknown activation code");
 }
 

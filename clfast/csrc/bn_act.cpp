@@ -11,8 +11,10 @@
 #include "bn_act_rows.h"  // first: it includes act.h, whose simd.h picks the CPU capability of ATen's vec headers
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <vector>
 
 using at::Tensor;
 namespace act = clfast_cpu::act;
@@ -20,12 +22,42 @@ using namespace clfast_cpu::rows;
 
 namespace {
 
+constexpr int64_t kShiftRows = 64;  // rows sampled for the shift of the statistics' sums
+
+// Per channel, the shift the statistics' sums are taken from: the median of the finite values of up to kShiftRows rows
+// spread evenly over x (0 where none is finite). The variance is s2/m - (s1/m)^2 of the shifted values, whose rounding
+// grows with (shift - mean)^2: a shift near the mean keeps a large mean from cancelling. The first row alone was the
+// shift before: an outlier there (a value 100 standard deviations off) cost the fp32 statistics and gradients 1e-4 of
+// fp64 against stock's 1e-7, and an infinity there made the mean NaN where it is +-inf (stock's, and the limit). A median
+// of rows over the whole batch is near the mean whatever one value is; it depends on x alone, not on the threads.
+template <typename scalar_t, typename opmath_t>
+std::vector<opmath_t> stats_shift(const scalar_t* xp, int64_t m, int64_t c) {
+  const int64_t ns = std::min(m, kShiftRows);
+  std::vector<double> sample(ns * c);   // [ns, C]: whole rows read, in order
+  for (int64_t i = 0; i < ns; ++i) {
+    const scalar_t* row = xp + (i * m / ns) * c;
+    for (int64_t j = 0; j < c; ++j) sample[i * c + j] = double(row[j]);
+  }
+  std::vector<opmath_t> shift(c, opmath_t(0));
+  std::vector<double> col;
+  col.reserve(ns);
+  for (int64_t j = 0; j < c; ++j) {
+    col.clear();
+    for (int64_t i = 0; i < ns; ++i)
+      if (std::isfinite(sample[i * c + j])) col.push_back(sample[i * c + j]);
+    if (col.empty()) continue;
+    auto mid = col.begin() + col.size() / 2;
+    std::nth_element(col.begin(), mid, col.end());
+    shift[j] = opmath_t(*mid);  // an element of x: exact in opmath
+  }
+  return shift;
+}
+
 template <typename scalar_t>
 void stats_impl(const scalar_t* xp, int64_t m, int64_t c, double* mean, double* var) {
   using opmath_t = at::opmath_type<scalar_t>;
-  // sums are shifted by the first row, so a large mean does not cancel
-  std::vector<opmath_t> shift(c);
-  for (int64_t j = 0; j < c; ++j) shift[j] = opmath_t(xp[j]);
+  // sums are shifted by a value near each channel's mean (`stats_shift`), so a large mean does not cancel
+  const std::vector<opmath_t> shift = stats_shift<scalar_t, opmath_t>(xp, m, c);
   const opmath_t* __restrict__ sh = shift.data();
   std::vector<double> s1, s2;
   chunked_sums<opmath_t>(m, c, s1, s2, [&](int64_t r, opmath_t* __restrict__ a, opmath_t* __restrict__ b) {

@@ -141,3 +141,13 @@ def test_from_modules_refuses():
     with pytest.raises(TypeError, match='Conv2dSame'): FusedConvBN2d.from_modules(Conv2dSame(3, 4, 3), nn.BatchNorm2d(4))
     with pytest.raises(ValueError, match='applies silu itself'):
         FusedConvBN2d.from_modules(nn.Conv2d(3, 4, 1), BatchNormAct2d(4, act_layer=nn.SiLU), act='relu')
+
+def test_mode_switch_reaches_mixed_conv2d():
+    "`fuse_conv_bn(model, 'memory')` on a model fused for speed switches every fused chain, timm's MixedConv2d's too"
+    m = nn.Sequential(MixedConv2d(6, 10, [3, 5], depthwise=False), nn.BatchNorm2d(10), nn.ReLU(),
+                      nn.Conv2d(10, 10, 3, padding=1), nn.BatchNorm2d(10))
+    fuse_conv_bn(m, 'speed')
+    assert [m[0].mode, m[3].mode] == ['speed', 'speed']
+    fuse_conv_bn(m, 'memory')
+    assert [m[0].mode, m[3].mode] == ['memory', 'memory']
+    same_step(unfuse_conv_bn(m), torch.randn(2, 6, 7, 7), fused_bns=2)   # and it still fuses and computes as the stock model

@@ -41,7 +41,7 @@ def conv_geometry(conv:nn.Conv2d) -> ConvGeometry|None:
         pad = tuple(s//2 for s in span)
     return ConvGeometry(tuple(conv.stride), tuple(pad), tuple(conv.dilation), conv.groups)
 
-# %% ../nbs/23_fused.ipynb #2ea235ed
+# %% ../nbs/23_fused.ipynb #7b5e6419
 def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|None=None, act:str|nn.Module|bool|None=None,
                 act_param:float=0., mode:str='speed') -> Tensor:
     "`act(bn(conv(x)) + residual)` as one fused op, updating `bn`'s running statistics like the stock module"
@@ -52,7 +52,13 @@ def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|Non
     a = get_act(act)
     if not kernels_ready(x.device): return _stock_layer(x, conv, bn, residual, a, act_param)
     if _way(x, conv, bn, residual, a, act_param, keep_y) == 'stock': return _stock_layer(x, conv, bn, residual, a, act_param)
-    return _fused_layer(x, conv, bn, residual, a, act_param, keep_y, geom)
+    try: return _fused_layer(x, conv, bn, residual, a, act_param, keep_y, geom)
+    except ValueError:   # (the batch size read only here: at every call it would cost each layer 0.2 us)
+        # clfast's op refuses batch statistics of no values; an empty batch (a detection head's ROIs, none in this
+        # image) runs as the stock modules take it: an empty output, the running statistics as they were.
+        # Synchronized, the op takes an empty batch: the other ranks' statistics reach it
+        if x.shape[0] or sync_group(bn) is not None: raise
+        return _stock_layer(x, conv, bn, residual, a, act_param)
 
 def _fused_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, keep_y:bool,
                  geom:ConvGeometry) -> Tensor:
@@ -82,13 +88,15 @@ def _stock_bn(bn:nn.Module, z:Tensor) -> Tensor:
     synced = sync_group(bn) is not None
     if z.is_cpu and kernels_ready() and (synced or IMPRECISE_CL_BATCH_NORM.present()):
         with no_autocast(z.device.type):   # `clfast.bn`'s precise BN, which synchronizes on the CPU (PyTorch's cannot)
-            return fused_conv_bn(z, None, None, bn.weight, bn.bias, **bn_args(bn))
+            try: return fused_conv_bn(z, None, None, bn.weight, bn.bias, **bn_args(bn))
+            except ValueError:
+                if synced or z.shape[0]: raise   # an empty batch: the stock BN's, below (see `conv_bn_act`)
     if not isinstance(bn, nn.Module): return bn.stock_forward(z)   # channels of a BN (timm's MixedConv2d: clfast.fuse.blocks)
     if synced:   # PyTorch's SyncBatchNorm over bn's state (a pass-through of one is a BatchNorm2d: DDP on the CPU)
         return nn.SyncBatchNorm.forward(bn if isinstance(bn, nn.SyncBatchNorm) else bn._stock_view(), z)
     return nn.BatchNorm2d.forward(bn, z)   # BN's rules, whatever bn's class now (a SyncBatchNorm's, not synchronizing)
 
-# %% ../nbs/23_fused.ipynb #7c1d508b
+# %% ../nbs/23_fused.ipynb #75d0f15b
 LAYER_WAYS = ('fused', 'stock', 'timed')
 _layer_way = 'timed'
 _ways: dict[tuple, str] = {}      # this process's choices by `_layer_key`: the per-call path reads this, not `decide`'s cache
@@ -143,6 +151,7 @@ def _way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_pa
         # a CUDA graph's capture (`clfast.graphs`) takes the way its eager steps took; nothing can be timed inside it,
         # and a way no step ran before would compile kernels or allocate their constants inside it, which fails it
         if x.is_cuda and torch.cuda.is_current_stream_capturing(): return 'fused'
+        if x.shape[0] == 0: return 'stock'   # an empty batch: nothing to time, and the stock modules' (`conv_bn_act`)
         try: way = 'stock' if decide(f"layer:{key}", lambda: _timed_way(x, conv, bn, residual, a, act_param, grad)).chosen else 'fused'
         except Exception as e: way = _untimed(conv, e)   # this process only: nothing was measured
         _ways[key] = way

@@ -1,11 +1,12 @@
 "Surgery v2 cases on small modules: timm / torchvision / fastai layers, any fusable activation, and bad input left unfused with a reason"
-import copy, pickle
+import copy, pickle, warnings
 import pytest, torch, timm, torchvision
 from torch import nn
 from timm.layers import BatchNormAct2d, ConvNormAct, MixedConv2d, create_conv2d
 from timm.layers.conv2d_same import Conv2dSame
 from torchvision.ops import Conv2dNormActivation
 from fastai.layers import ConvLayer, NormType
+from clfast.core import ClfastWarning
 from clfast.fused import FusedConvBN2d
 from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, fusion_report, is_fused
 
@@ -141,3 +142,41 @@ def test_from_modules_refuses():
     with pytest.raises(TypeError, match='Conv2dSame'): FusedConvBN2d.from_modules(Conv2dSame(3, 4, 3), nn.BatchNorm2d(4))
     with pytest.raises(ValueError, match='applies silu itself'):
         FusedConvBN2d.from_modules(nn.Conv2d(3, 4, 1), BatchNormAct2d(4, act_layer=nn.SiLU), act='relu')
+
+def test_mode_switch_reaches_mixed_conv2d():
+    "`fuse_conv_bn(model, 'memory')` on a model fused for speed switches every fused chain, timm's MixedConv2d's too"
+    m = nn.Sequential(MixedConv2d(6, 10, [3, 5], depthwise=False), nn.BatchNorm2d(10), nn.ReLU(),
+                      nn.Conv2d(10, 10, 3, padding=1), nn.BatchNorm2d(10))
+    fuse_conv_bn(m, 'speed')
+    assert [m[0].mode, m[3].mode] == ['speed', 'speed']
+    fuse_conv_bn(m, 'memory')
+    assert [m[0].mode, m[3].mode] == ['memory', 'memory']
+    same_step(unfuse_conv_bn(m), torch.randn(2, 6, 7, 7), fused_bns=2)   # and it still fuses and computes as the stock model
+
+@pytest.mark.parametrize('way', ['fused', 'timed', 'stock'])
+def test_empty_batch_as_the_stock_modules(way):
+    """A batch of no images (a detection head's ROIs where an image has none) through fused layers and a fused block,
+    training and eval, hooked or not: an empty output and gradients, the running statistics as the stock model leaves
+    them. clfast's op refused it (batch statistics of no values)"""
+    from clfast.fused import set_layer_way
+    set_layer_way(way)   # (the fixture puts the way back)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                        torchvision.models.resnet.BasicBlock(8, 8)).double()
+    m = fuse_conv_bn(copy.deepcopy(ref))
+    assert len(fusion_report(m).fused) == 4
+    for train, hook in [(True, False), (False, False), (True, True)]:
+        handle = m[1].register_forward_hook(lambda *a: None) if hook else None   # a hook: the chain runs as its modules
+        outs = []
+        for mod in (m, ref):
+            mod.train(train); mod.zero_grad()
+            x = torch.randn(0, 3, 6, 6, dtype=torch.float64).to(memory_format=torch.channels_last).requires_grad_()
+            with warnings.catch_warnings():
+                warnings.simplefilter('error', ClfastWarning)   # 'timed' times nothing (it warned: could not be timed)
+                out = mod(x)
+            out.sum().backward()
+            outs.append((out.shape, x.grad.shape, {n: p.grad for n, p in mod.named_parameters()}))
+        if handle: handle.remove()
+        assert outs[0][:2] == outs[1][:2] == (torch.Size([0, 8, 6, 6]), torch.Size([0, 3, 6, 6]))
+        for k, g in outs[1][2].items(): torch.testing.assert_close(outs[0][2][k], g, msg=k)
+        for k, v in ref.state_dict().items(): torch.testing.assert_close(m.state_dict()[k], v, msg=k)

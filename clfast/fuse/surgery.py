@@ -209,7 +209,7 @@ class _Tracer(fx.Tracer):
         return (isinstance(m, (nn.Conv2d, _BatchNorm, _FusedMixin)) or _conv_kind(m) is not None or act_of(m) is not None
                 or self.fuser.is_block(m) or super().is_leaf_module(m, qualname))
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #86c0b37e
+# %% ../../nbs/24d_fuse_surgery.ipynb #dac255c5
 def is_fused(model:nn.Module) -> bool:
     "True if `fuse_conv_bn` fused anything in `model` (a standalone `FusedConvBN2d` does not count: it is not undone)"
     need_module(model, 'is_fused')
@@ -221,8 +221,8 @@ def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Mo
     check_mode(mode)
     _install_sync_converter()   # from now on PyTorch's (and timm's) converter must know fused layers
     _watch_registrations()   # and a module put in place of a fused chain's must compute as in the stock model
-    for m in model.modules():
-        if isinstance(m, FusedConvBN2d) and m.surgical: m.mode = mode
+    for m in model.modules():   # every fused chain: timm's MixedConv2d's too, which is no FusedConvBN2d
+        if isinstance(m, _FusedChain) and m.__dict__.get('surgical'): m.__dict__['mode'] = mode
     fuser = _Fuser(model, mode)
     fuser.visit(model)
     report = fuser.finish()

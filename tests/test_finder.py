@@ -211,15 +211,17 @@ def test_bench_model_table():
     assert list(df.index) == ['contiguous fp32', 'channels-last fp32'] and (df.error == '').all()
     assert df.loc['channels-last fp32', 'grad_drift'] < 1e-3
 
-def test_compiled_setup_is_measured_or_a_failed_row():
-    """torch.compile as a setup: it trains with the baseline's gradients, or (inductor fails on some batches here) its row
-    says why while the other setups are still measured; compiled memory is not counted (saved-tensor hooks and compile)"""
+def test_compiled_setup_is_measured():
+    """torch.compile as a setup, on the learner's own batches (fastai's TensorImage, which torch 2.14's compile traced
+    wrong outside `fit`: every compiled row failed): it trains with the baseline's gradients (within 1e-3: inductor
+    computes in its own order); compiled memory is not counted (saved-tensor hooks and compile)"""
     learn = learner()
-    df = learn.format_find(setups=[BASELINE, Setup(), Setup(compile=True)], n_batches=2, show_plot=False)
-    row = df.loc['channels-last fp32 compiled']
-    assert df.loc['channels-last fp32', 'steps'] == 2 and df.loc['channels-last fp32', 'error'] == ''
-    if row.error: assert row.steps == 0 and math.isnan(row.speedup) and 'Error' in row.error
-    else: assert row.steps == 2 and row.grad_drift < 1e-3 and math.isnan(row.memory_mib)
+    df = learn.format_find(setups=[BASELINE, Setup(), Setup(compile=True), Setup(channels_last=False, compile=True)],
+                           n_batches=2, show_plot=False, budget=None)
+    assert (df.error == '').all(), df.error.to_dict()
+    for name in ('channels-last fp32 compiled', 'contiguous fp32 compiled'):
+        row = df.loc[name]
+        assert row.steps == 2 and row.grad_drift < 1e-3 and math.isnan(row.memory_mib)
 
 @pytest.mark.cuda
 def test_format_find_measures_where_the_learner_will_train():

@@ -180,3 +180,48 @@ def test_empty_batch_as_the_stock_modules(way):
         assert outs[0][:2] == outs[1][:2] == (torch.Size([0, 8, 6, 6]), torch.Size([0, 3, 6, 6]))
         for k, g in outs[1][2].items(): torch.testing.assert_close(outs[0][2][k], g, msg=k)
         for k, v in ref.state_dict().items(): torch.testing.assert_close(m.state_dict()[k], v, msg=k)
+
+def _traced_step(traced, m, stock, x, train):
+    "One step of `traced` (a GraphModule over `m`) and of float64 `stock`: the largest output, relative gradient and state differences"
+    for mod in (traced, m, stock): mod.train(train)
+    xa, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    out, want = traced(xa), stock(x64)
+    g = torch.randn_like(want)
+    out.backward(g.float()); want.backward(g)
+    grads = dict(traced.named_parameters())
+    big = max(p.grad.norm().item() for p in stock.parameters())   # relative, floored at 1e-3 of the largest (see `same_step`)
+    grad = max((grads[n].grad.double() - p.grad).norm().item() / max(p.grad.norm().item(), 1e-3 * big) for n, p in stock.named_parameters())
+    state = max((a.double() - b.double()).abs().max().item() for a, b in zip(m.state_dict().values(), stock.state_dict().values()))
+    for p in [*traced.parameters(), *stock.parameters()]: p.grad = None
+    return (out.double() - want).abs().max().item(), (xa.grad.double() - x64.grad).abs().max().item(), grad, state
+
+@pytest.mark.parametrize('model', ['resnet18', 'timm'])
+def test_symbolic_trace_and_feature_extraction(model):
+    """torch.fx's symbolic trace of a fused model (torchvision's `create_feature_extractor`) records the stock modules'
+    ops, with the stock model's node names: it computes what the model computes, checked against float64 in training
+    (output, gradients, running statistics and step counts) and eval (before: TraceError, a Proxy's size tested in
+    `conv_bn_act`). The model itself stays fused"""
+    from torchvision.models.feature_extraction import create_feature_extractor
+    torch.manual_seed(0)
+    if model == 'resnet18': m = torchvision.models.resnet18(num_classes=10)
+    else: m = nn.Sequential(ConvNormAct(3, 8, 3, act_layer=nn.SiLU), MixedConv2d(8, 12, [3, 5], padding=''),
+                            BatchNormAct2d(12, act_layer=nn.LeakyReLU), nn.Conv2d(12, 8, 1), nn.BatchNorm2d(8), nn.GELU())
+    stock = copy.deepcopy(m).double()
+    fuse_conv_bn(m)
+    fused = [type(c) for c in m.modules()]
+    x = torch.randn(4, 3, 64, 64).to(memory_format=torch.channels_last)
+    for train in (True, False):
+        m.train(train)
+        out, dx, grad, state = _traced_step(torch.fx.symbolic_trace(m), m, stock, x, train)
+        assert out < 1e-4 and dx < 1e-4 and grad < 5e-3 and state < 1e-5, (train, out, dx, grad, state)
+    assert [type(c) for c in m.modules()] == fused and fusion_report(m).opened == []
+    if model != 'resnet18': return
+    # the features a node name asks for are the stock model's (a block's ReLU, called twice: its first call), and a
+    # training step of the extractor updates the statistics and counts the stock one does (not those of pruned layers)
+    nodes = {'layer1.0.bn1': 'bn1', 'layer1.0.relu': 'relu', 'layer2': 'layer2'}
+    got, want = create_feature_extractor(m, nodes), create_feature_extractor(stock, nodes)
+    for train in (True, False):
+        with torch.no_grad(): g, w = got.train(train)(x), want.train(train)(x.double())
+        for k in nodes.values(): torch.testing.assert_close(g[k].double(), w[k], rtol=1e-4, atol=1e-4, msg=lambda s: f"{k} {train} {s}")
+        for (k, a), b in zip(m.state_dict().items(), stock.state_dict().values()):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-6, msg=k)

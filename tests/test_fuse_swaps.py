@@ -183,3 +183,78 @@ def test_dataparallel_copies_compute_as_the_stock_model(model, monkeypatch):
                 if t.is_floating_point(): t.mul_(1 + j / 4)
         for train in (True, False): assert _max_diff(c, want, x, train) < 1e-10, (j, train)
     assert _max_diff(m, stock, x, False) < 1e-10   # the original, fused, as it was
+
+def _leaky_block(kind):
+    "A small net whose activations are LeakyReLU (or GELU) modules, in each place a fused chain can take its activation from"
+    import timm.layers, timm.models.resnet
+    from fastai.layers import ResBlock
+    stem = [nn.Conv2d(3, 8, 1)]
+    if kind == 'pass-through': return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.LeakyReLU(0.01))
+    if kind == 'gelu': return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.GELU())
+    if kind == 'timm bn act': return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), timm.layers.BatchNormAct2d(8, act_layer=nn.LeakyReLU))
+    if kind == 'timm mixed':
+        return nn.Sequential(*stem, timm.layers.MixedConv2d(8, 12, [3, 5], padding=''), timm.layers.BatchNormAct2d(12, act_layer=nn.LeakyReLU))
+    if kind == 'torchvision block':
+        b = torchvision.models.resnet.BasicBlock(8, 8)
+        b.relu = nn.LeakyReLU(0.01)
+        return nn.Sequential(*stem, b)
+    if kind == 'timm block': return nn.Sequential(*stem, timm.models.resnet.BasicBlock(8, 8, act_layer=nn.LeakyReLU))
+    if kind == 'fastai block': return nn.Sequential(*stem, ResBlock(1, 8, 8, act_cls=nn.LeakyReLU))
+
+_SETTINGS = {'pass-through': [(lambda m: m[2], 'negative_slope', 0.3), (lambda m: m[2], 'negative_slope', -0.2)],
+             'gelu': [(lambda m: m[2], 'approximate', 'tanh')],
+             'timm bn act': [(lambda m: m[1].act, 'negative_slope', 0.3)],
+             'timm mixed': [(lambda m: m[2].act, 'negative_slope', 0.3)],
+             'torchvision block': [(lambda m: m[1].relu, 'negative_slope', 0.3)],
+             'timm block': [(lambda m: m[1].act1, 'negative_slope', 0.3), (lambda m: m[1].act2, 'negative_slope', 0.2)],
+             'fastai block': [(lambda m: m[1].act, 'negative_slope', 0.3), (lambda m: m[1].convpath[0][2], 'negative_slope', 0.2)]}
+
+@pytest.mark.usefixtures('fused_way')
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+@pytest.mark.parametrize('kind', list(_SETTINGS))
+def test_activation_setting_changed_after_fusing(kind, mode):
+    """A setting assigned to an activation after fusing (a LeakyReLU's `negative_slope`, a GELU's `approximate`) reaches
+    the fused layers that compute it, which stay fused: the model computes as the stock model with the changed setting,
+    checked in float64 (before: the fused layers kept the setting they were fused with, output 0.3-1.5 off). Each place
+    a chain takes its activation from: a pass-through registered after the BN, timm's BN's `act` (a plain and a mixed
+    conv), a fused block's activation (torchvision, timm, fastai)"""
+    torch.manual_seed(0)
+    m = _busy_stats(_leaky_block(kind))
+    stock = copy.deepcopy(m).double()
+    fuse_conv_bn(m, mode)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    for where, name, value in _SETTINGS[kind]:
+        for mod in (m, stock): setattr(where(mod), name, value)
+        for train in (True, False):
+            m.train(train); stock.train(train)
+            xa, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+            out, want = m(xa), stock(x64)
+            g = torch.randn_like(want)
+            out.backward(g.float()); want.backward(g)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(xa.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+            # gradients relative to their own size, floored at 1e-3 of the largest (a conv bias before a BN has 0 + rounding)
+            big = max(p.grad.norm().item() for p in stock.parameters())
+            for (n, p), q in zip(stock.named_parameters(), m.parameters()):
+                assert (q.grad.double() - p.grad).norm() <= 1e-4 * max(p.grad.norm().item(), 1e-3 * big), (n, train)
+                p.grad = q.grad = None
+    assert fusion_report(m).opened == [] and not any(c.runs_unfused() for c in m.modules() if hasattr(c, 'runs_unfused'))
+    assert pickle_types(m) == [type(c) for c in stock.modules()]   # the watched activations pickle as their stock classes
+    unfuse_conv_bn(m)
+    assert [type(c) for c in m.modules()] == [type(c) for c in stock.modules()]
+
+def pickle_types(m):
+    import pickle
+    return [type(c) for c in pickle.loads(pickle.dumps(m)).modules()]
+
+def test_activation_set_to_one_the_fused_op_lacks():
+    "An activation set to one the fused op does not compute opens its layer, said once: it then computes as the stock modules (here: GELU's own error)"
+    m = fuse_conv_bn(_leaky_block('gelu'))
+    with pytest.warns(ClfastWarning, match="a GELU of a layer `fuse_conv_bn` fused was set to an activation the fused op does not compute"):
+        m[2].approximate = 'sigmoid'
+    assert fusion_report(m).opened == [('0', 'its GELU was set to an activation the fused op does not compute')]
+    with pytest.raises(RuntimeError, match='approximate argument must be either none or tanh'): m(torch.randn(2, 3, 8, 8))
+    m[2].approximate = 'tanh'   # runs unfused for good: the GELU's own work
+    stock = unfuse_conv_bn(copy.deepcopy(m)).double()
+    x = torch.randn(2, 3, 8, 8)
+    for train in (True, False): assert _max_diff(m, stock, x, train) < 1e-5

@@ -713,3 +713,30 @@ def test_guard_changes_only_the_modules_whose_state_differs(monkeypatch):
     monkeypatch.setattr(guard, '_checked_failures', lambda: [])   # the check's findings forgotten: the 3x3 conv routed per call only
     assert '1.0' not in [n for n, *_ in guard_model(net)] and net[1][0]._cl_guard is None
     assert [m for m in net.modules() if isinstance(m, nn.Conv2d)] == convs and [net[0][1], net[1][1]] == bns
+
+def test_symbolic_trace_of_guarded_and_pointwise_convs(tmp_path, monkeypatch):
+    """torch.fx's symbolic trace (torchvision's `create_feature_extractor`) of a model with guarded convs and a fused
+    model's `PointwiseConv2d`: each records the stock conv (a plan and a route are chosen per call from sizes and a
+    layout a Proxy does not have), and the graph computes what the model computes, output and gradients against
+    float64 (before: TraceError, the route check testing the Proxy's size)"""
+    from clfast.fuse.pointwise import PointwiseConv2d, to_pointwise
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path)); monkeypatch.setattr(timing, '_here', {})
+    timing._here.update({f'premise:{k.name}': True for k in (SHORT_INPUT_WGRAD, routes.SLOW_POINTWISE_MAPS)})
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Conv2d(8, 4, 1), nn.ReLU(),
+                        nn.Conv2d(4, 8, 3, padding=1), Flatten())
+    ref = copy.deepcopy(net).double()
+    pointwise = copy.deepcopy(net)
+    guard_model(net)
+    assert type(net[3]) is type(net[5]) is GuardedConv2d
+    assert to_pointwise(pointwise) == ['3'] and type(pointwise[3]) is PointwiseConv2d
+    x = torch.randn(2, 3, 8, 8).to(memory_format=CL)
+    for m in (net, pointwise):
+        traced = torch.fx.symbolic_trace(m)
+        xa, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+        out, want = traced(xa), ref(x64)
+        out.sum().backward(); want.sum().backward()
+        close = lambda a, b: torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+        close(out, want); close(xa.grad, x64.grad)
+        for got, p in zip(m.parameters(), ref.parameters()): close(got.grad, p.grad)
+        for p in [*m.parameters(), *ref.parameters()]: p.grad = None

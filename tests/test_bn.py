@@ -209,3 +209,29 @@ def test_precise_bn_infinite_value_anywhere(bad, where):
     assert bn.running_mean[1].item() == bad and stock.running_mean[1].item() == bad
     assert bn.running_var[1].isnan() and stock.running_var[1].isnan()
     torch.testing.assert_close(bn.running_mean[[0, 2]], stock.running_mean[[0, 2]])
+
+@pytest.mark.parametrize('training', [True, False])
+def test_symbolic_trace_of_precise_bns(training):
+    """torch.fx's symbolic trace (torchvision's `create_feature_extractor`) of precise BNs, plain and timm's
+    BatchNormAct2d, records the stock BN's ops (before: TraceError, the Proxy's `is_cpu` tested); the graph computes
+    what the stock model computes in float64: output, gradients, running statistics and their count"""
+    from timm.layers import BatchNormAct2d
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3),
+                          BatchNormAct2d(8, act_layer=nn.SiLU))
+    precise = copy.deepcopy(stock)
+    for i in (1, 4): precise[i] = make_precise(precise[i])
+    ref = copy.deepcopy(stock).double().train(training)
+    traced = torch.fx.symbolic_trace(precise.train(training))
+    x = torch.randn(4, 3, 8, 8).to(memory_format=CL)
+    xa, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    out, want = traced(xa), ref(x64)
+    out.sum().backward(); want.sum().backward()
+    # fp32 against fp64: 1e-5 of each tensor's scale (the gradients': the largest one's, as a conv bias before a BN has
+    # none but rounding)
+    close = lambda a, b, scale=None: torch.testing.assert_close(a.double(), b.double(), rtol=0,
+                                                                atol=1e-5 * (scale or max(b.abs().max().item(), 1.)))
+    close(out, want); close(xa.grad, x64.grad)
+    scale = max(p.grad.abs().max().item() for p in ref.parameters())
+    for got, p in zip(precise.parameters(), ref.parameters()): close(got.grad, p.grad, scale)
+    for got, b in zip(precise.buffers(), ref.buffers()): close(got, b)

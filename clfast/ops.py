@@ -82,7 +82,7 @@ def _triton():
 register_kernels(_lib, 'CompositeExplicitAutograd', lambda: REFERENCE)
 register_kernels(_lib, 'CUDA', _triton)
 
-# %% ../nbs/21_ops.ipynb #560c9449
+# %% ../nbs/21_ops.ipynb #7a4e895f
 class _Fake:
     @staticmethod
     def layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act, act_param, keep_y, y=None):
@@ -91,11 +91,12 @@ class _Fake:
                                                                                              dtype=acc_dtype(y.dtype))
     @staticmethod
     def layer_bwd(dout, x, weight, bias, y, params, residual, out, geom, training, act, act_param, needs, grad_means=None):
-        # the kernels' rule: each gradient in its input's layout (the C++ kernels and `_as_inputs` see to it)
-        pick = lambda need, t: torch.empty_like(t, memory_format=kernel_layout(t)) if need else _empty(params)
+        # the kernels' rule: each gradient in its input's layout (the C++ kernels and `_as_inputs` see to it); one not
+        # needed empty, in x's dtype, the BN parameters' in params' (as every kernel set: a bf16 layer's fake said fp32)
+        pick = lambda need, t, like=x: torch.empty_like(t, memory_format=kernel_layout(t)) if need else _empty(like)
         return (pick(needs[0], x), pick(needs[1] and weight is not None, weight if weight is not None else x),
-                pick(needs[2] and bias is not None, params[0].to(x.dtype)), pick(needs[3], params[0]),
-                pick(needs[4], params[0]), torch.empty_like(dout, memory_format=torch.channels_last) if needs[5] else _empty(params))
+                pick(needs[2] and bias is not None, params[0].to(x.dtype)), pick(needs[3], params[0], params),
+                pick(needs[4], params[0], params), torch.empty_like(dout, memory_format=torch.channels_last) if needs[5] else _empty(x))
     @staticmethod
     def batch_stats(y):
         c, acc = y.shape[1], acc_dtype(y.dtype)

@@ -29,7 +29,7 @@ def acc_dtype(dt:torch.dtype) -> torch.dtype:
     "The accumulation / per-channel dtype for inputs of dtype `dt`: float64 for float64, float32 otherwise"
     return torch.float64 if dt == torch.float64 else torch.float32
 
-# %% ../nbs/21_reference.ipynb #864f4e13
+# %% ../nbs/21_reference.ipynb #17ad1e17
 PARAM_ROWS = ('mean', 'invstd', 'scale', 'shift', 'var')
 
 class ConvGeometry(NamedTuple):
@@ -119,4 +119,5 @@ def ref_layer_bwd(dout, x, weight, bias, y, params, residual, out, geom:ConvGeom
                                                          [needs[0], needs[1], needs[2] and bias is not None])
     res = (dx, dw, db, sum_dzx if needs[3] else None, sum_dz if needs[4] else None,
            _fresh(dz, y) if needs[5] else None)
-    return tuple(_empty(params) if t is None else t for t in res)
+    # a result not needed: empty, in x's dtype, the BN parameters' in params' (the C++ and Triton kernels' and the fake's)
+    return tuple(_empty(params if i in (3, 4) else x) if t is None else t for i, t in enumerate(res))

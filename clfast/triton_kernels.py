@@ -43,7 +43,7 @@ def _sum_partials(ps_ptr, cols, cmask, C, P, BLOCK_P: tl.constexpr, BLOCK_C: tl.
         q += tl.sum(tl.load(pq_ptr + offs, mask=mask, other=0, volatile=True), axis=0)
     return s, q
 
-# %% ../nbs/20_triton_kernels.ipynb #4a0b818e
+# %% ../nbs/20_triton_kernels.ipynb #91227861
 @triton.jit
 def _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
     "Rows 1-3 of `params`, `invstd, scale, shift`, from the per-channel mean and variance and the affine weight and bias"
@@ -72,13 +72,41 @@ def _update_running(mean, var, cols, cmask, rm_ptr, rv_ptr, w, correction):
     tl.store(rm_ptr + cols, _lerp(rm, mean, w).to(rdt), mask=cmask)
     tl.store(rv_ptr + cols, _lerp(rv, var * correction, w).to(rdt), mask=cmask)
 
+_SHIFT_ROWS = tl.constexpr(8)   # rows sampled for the statistics' shift: robust to 3 outliers among them
+
+@triton.jit
+def _shift(x_ptr, cols, cmask, M, C, dtype: tl.constexpr):
+    """Per channel at `cols`, the median (the upper one of an even count) of the finite values among `_SHIFT_ROWS` rows
+    spread evenly over the `M` rows, 0 where none is finite: an element of `x`, the same in every program. Each sampled
+    value's rank is counted against the others (`_SHIFT_ROWS`^2 compares of channel vectors, rows read again from
+    cache: no sort, no reduction across threads). The outer loop is a loop, not unrolled: unrolled, the compiler kept
+    every sample and its addresses live (215 registers and a spill on sm_90, fp32 16 channels a tile). Finite: `v - v`
+    is 0 (NaN at NaN and +-inf)"""
+    m = M.to(tl.int64)
+    shift = tl.zeros(cols.shape, dtype=dtype)
+    for i in range(0, _SHIFT_ROWS):
+        a = tl.load(x_ptr + (m * i // _SHIFT_ROWS) * C + cols, mask=cmask, other=0).to(dtype)
+        k = tl.zeros(cols.shape, dtype=tl.int32)       # finite samples, those < a, and those <= a
+        below = tl.zeros(cols.shape, dtype=tl.int32)
+        upto = tl.zeros(cols.shape, dtype=tl.int32)
+        for j in tl.static_range(_SHIFT_ROWS):
+            b = tl.load(x_ptr + (m * j // _SHIFT_ROWS) * C + cols, mask=cmask, other=0).to(dtype)
+            fb = (b - b) == 0
+            k += fb.to(tl.int32)
+            below += (fb & (b < a)).to(tl.int32)
+            upto += (fb & (b <= a)).to(tl.int32)
+        # a is the sorted finite samples' element k // 2 (its copies alike)
+        shift = tl.where(((a - a) == 0) & (below <= k // 2) & (k // 2 < upto), a, shift)
+    return shift
+
 @triton.jit
 def _stats(x_ptr, ps_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, out_ptr, rm_ptr, rv_ptr, nbt_ptr, kr_ptr, M, Cq, rows_per, P,
            PARAMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, RUNNING: tl.constexpr, NBT: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, C_ALIGN: tl.constexpr):
     """Per-channel mean and biased variance of the `[M, C]` rows into `out`'s rows 0 and 1 (with `PARAMS`, `out` is
     `params` and gets its five rows), one launch: each program sums `x - shift` and `(x - shift)^2` over one slab of
-    rows, `UNROLL` tiles of rows a step, into `ps` (`[2P, C]`: the sums, then the sums of squares). With
+    rows, `UNROLL` tiles of rows a step, into `ps` (`[2P + 1, C]`: the sums, the sums of squares, then the shift,
+    `_shift`'s, which program 0 stores for the last one). With
     `RUNNING` (`NBT`) it also does `_running`'s work for a momentum (`kr`: momentum, Bessel's correction), one launch
     fewer: the running statistics of its channels (the count, once)"""
     C = Cq * C_ALIGN
@@ -86,7 +114,8 @@ def _stats(x_ptr, ps_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, out_ptr, rm_ptr, rv_ptr
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
     eps = tl.load(k_ptr + 1)
-    shift = tl.load(x_ptr + cols, mask=cmask, other=0).to(eps.dtype)   # the first row
+    shift = _shift(x_ptr, cols, cmask, M, C, eps.dtype)
+    if pid_m == 0: tl.store(ps_ptr + 2 * P * C + cols, shift, mask=cmask)
     acc_s = tl.zeros([BLOCK_M, BLOCK_C], dtype=eps.dtype)
     acc_q = tl.zeros([BLOCK_M, BLOCK_C], dtype=eps.dtype)
     start = pid_m.to(tl.int64) * rows_per
@@ -103,8 +132,9 @@ def _stats(x_ptr, ps_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, out_ptr, rm_ptr, rv_ptr
     if _last_program(lock_ptr + pid_c, P):
         s, q = _sum_partials(ps_ptr, cols, cmask, C, P, BLOCK_M, BLOCK_C)   # the accumulators' tile, free now
         md = s / M
-        # the shift loaded again: kept live across the loop, it cost some specializations a stack frame (sm_80)
-        mean = tl.load(x_ptr + cols, mask=cmask, other=0).to(eps.dtype) + md
+        # the shift loaded again, as program 0 stored it: kept live across the loop, it cost some specializations a
+        # stack frame (sm_80)
+        mean = tl.load(ps_ptr + 2 * P * C + cols, mask=cmask, other=0, volatile=True) + md
         v = q / M - md * md
         var = tl.where(v < 0, 0., v)   # a NaN kept, as ATen's (tl.maximum drops it)
         tl.store(out_ptr + cols, mean, mask=cmask)
@@ -117,7 +147,7 @@ def _stats(x_ptr, ps_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, out_ptr, rm_ptr, rv_ptr
         if NBT:
             if pid_c == 0: tl.store(nbt_ptr, tl.load(nbt_ptr) + 1)
 
-# %% ../nbs/20_triton_kernels.ipynb #becb01eb
+# %% ../nbs/20_triton_kernels.ipynb #fcf024f2
 @triton.jit
 def _sig2(a):
     "`(sigmoid(a), sigmoid(a)*(1 - sigmoid(a)))`, computed without overflow or cancellation"
@@ -137,7 +167,8 @@ def _act(z, p, ACT: tl.constexpr):
     elif ACT == 2: r = tl.where(z < 0, 0, tl.where(z > 6, 6, z))
     elif ACT == 3: r = tl.where(z > 0, z, z * p)
     elif ACT == 4: r = _mul0(z, 1 / (1 + tl.exp(-z)))
-    elif ACT == 5: r = _mul0(z, tl.minimum(tl.maximum(z + 3, 0), 6)) / 6
+    elif ACT == 5:   # z itself from 3 up (z * 6 overflows to inf above fp32's max / 6), 0 from -3 down (-inf * 0: NaN)
+        r = tl.where(z >= 3, z, tl.where(z <= -3, 0, z * tl.minimum(tl.maximum(z + 3, 0), 6) / 6))
     elif ACT == 6: r = _mul0(z, 0.5 * (1 + tl.math.erf(z * 0.7071067811865476)))
     elif ACT == 7:
         s, _ = _sig2(1.5957691216057308 * (z + 0.044715 * z * z * z))     # 2 * sqrt(2/pi) * (z + k z^3)
@@ -464,7 +495,7 @@ def _locks(device:torch.device, n:int) -> Tensor:
         t = _LOCKS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
     return t
 
-# %% ../nbs/20_triton_kernels.ipynb #28db748f
+# %% ../nbs/20_triton_kernels.ipynb #5339eeda
 def _stats_into(x:Tensor, m:int, out:Tensor, k:Tensor, params:bool=False, weight:Tensor|None=None,
                 bias:Tensor|None=None, running:tuple|None=None):
     """Launch `_stats` on the `m` rows at `x` (a channels-last activation or `[M, C]` rows): mean and biased variance
@@ -474,7 +505,7 @@ def _stats_into(x:Tensor, m:int, out:Tensor, k:Tensor, params:bool=False, weight
     c = out.shape[1]
     if m == 0: raise ValueError("stats needs at least one value per channel")
     pl = _plan(m, c)
-    ps = x.new_empty((2 * pl.stats_p, c), dtype=out.dtype)
+    ps = x.new_empty((2 * pl.stats_p + 1, c), dtype=out.dtype)   # the partial sums, then the shift
     rm = rv = nbt = None
     if running is not None:
         rm, rv, nbt, momentum = running
@@ -633,7 +664,7 @@ def _written(*ts:Tensor|None):
     for t in ts:
         if t is not None: torch.autograd.graph.increment_version(t)
 
-# %% ../nbs/20_triton_kernels.ipynb #59fdb71d
+# %% ../nbs/20_triton_kernels.ipynb #48606121
 def _layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, params:Tensor,
                residual:Tensor|None, out:Tensor|None, geom, training:bool, act:int, act_param:float, needs,
                grad_means:Tensor|None=None) -> tuple:
@@ -670,5 +701,6 @@ def layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, 
     "`(dx, dweight, dbias, dbn_weight, dbn_bias, dresidual)`, empty where `needs` says so: see `clfast/KERNELS.md`"
     grads = _layer_bwd(dout, x, weight, bias, y, params, residual, out, geom, training, act, act_param,
                        [bool(b) for b in needs], grad_means)
-    # absent results are fresh empty tensors: a custom op's outputs may not alias each other
-    return tuple(dout.new_empty(0) if t is None else t for t in grads)
+    # absent results are fresh empty tensors: a custom op's outputs may not alias each other; in x's dtype, the BN
+    # parameters' in params' (the C++ kernels' and the fake's: torch.compile traces the fake)
+    return tuple((params if i in (3, 4) else x).new_empty(0) if t is None else t for i, t in enumerate(grads))

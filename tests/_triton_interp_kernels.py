@@ -74,6 +74,35 @@ def test_reductions_leave_their_counters_zero():
                                                          ACTS['relu'].code, True, False)):
         assert torch.equal(a, b)
 
+@pytest.mark.parametrize('big', [100., 1e4, float('inf'), -float('inf')])
+@pytest.mark.parametrize('dt', [F32, BF16, F16])
+def test_stats_first_row_outlier(dt, big):
+    """An outlier in the first row (sample 0, pixel (0,0)) leaves the statistics as accurate as without one: the sums
+    were shifted by that row, so a value 100 standard deviations off cost the fp32 variance 1e-3 of fp64 (stock: 4e-8),
+    and an infinity there made the mean NaN where it is +-inf (as csrc/bn_act.cpp's median-of-samples shift)"""
+    y = torch.randn(8, 4, 32, 32, dtype=F64, generator=torch.Generator().manual_seed(0))
+    y[0, :, 0, 0] = big
+    y = y.to(dt).to(memory_format=torch.channels_last)
+    mean, var = tk.stats(rows(y))
+    yd = y.double()
+    if big in (float('inf'), -float('inf')):
+        assert (mean == big).all() and var.isnan().all()
+        return
+    # (the outlier's own rounding in fp32 sums stays: ~2e-6 of the mean at 1e4, where the first-row shift cost 1e-3)
+    torch.testing.assert_close(mean.double(), yd.mean((0, 2, 3)), atol=5e-6, rtol=0)
+    torch.testing.assert_close(var.double(), yd.var((0, 2, 3), unbiased=False), atol=0, rtol=4e-6)
+
+def test_stats_shift_ignores_non_finite_samples():
+    "Rows of NaN or inf among those the shift is sampled from: the channels' statistics are still the sums' (a NaN "
+    "channel NaN, an all-finite channel exact), never a shift that is not finite"
+    y = torch.randn(100, 3, dtype=F64) + 50
+    y[::3, 0] = float('inf')      # a third of the samples infinite: channel 0's mean is inf, its variance NaN
+    y[:, 1] = float('nan')        # every value NaN
+    mean, var = tk.stats(y.float())
+    assert mean[0] == float('inf') and var[0].isnan() and mean[1].isnan() and var[1].isnan()
+    torch.testing.assert_close(mean[2].double(), y[:, 2].float().double().mean(), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(var[2].double(), y[:, 2].float().double().var(unbiased=False), atol=0, rtol=2e-6)
+
 @pytest.mark.parametrize('momentum', [0.1, None, 0.75])
 @pytest.mark.parametrize('running_dt', [F32, F64, F16])
 def test_update_running(momentum, running_dt):
@@ -132,6 +161,21 @@ def test_act_formulas(name, p, dt):
         fin = torch.isfinite(z[:, 0])   # read from out: exact where out tells z's side (not at NaN: out is NaN too)
         dz = tk.bwd(g[fin], None, zero, one, one, zero, None, a.code, False, True, act_param=p, out=ref[fin].to(dt))[3]
         torch.testing.assert_close(dz.double(), d_ref[fin], **tol)
+
+@pytest.mark.parametrize('dt', [F32, BF16])
+def test_act_huge_finite(dt):
+    """Huge finite z, where a formula's intermediate overflows: hardswish(z) is z from 3 up (its z * 6 was inf above
+    fp32's max / 6, 5.7e37), gelu_tanh's derivative 1 and 0 far out (act.h's fixes; the oracle is fp64 stock)"""
+    z = torch.tensor([5.7e37, 1e38, 3e38, -3e38, 1.8e19, -1.8e19, 1e20, -1e20, 1e30, -1e30], dtype=F64).to(dt)
+    z = z[:, None].repeat(1, 2).contiguous()
+    one, zero = torch.ones(2, dtype=F32), torch.zeros(2, dtype=F32)
+    for name in ('relu', 'relu6', 'silu', 'hardswish', 'gelu', 'gelu_tanh'):
+        a = ACTS[name]
+        ref, d_ref = a.oracle(z, torch.ones_like(z))
+        torch.testing.assert_close(tk.fwd(z, one, zero, None, a.code).double(), ref.to(dt).double(), atol=0, rtol=1e-6,
+                                   msg=lambda m: f'{name}: {m}')
+        dz = tk.bwd(torch.ones_like(z), z, zero, one, one, zero, None, a.code, False, True)[3]
+        torch.testing.assert_close(dz.double(), d_ref, atol=0, rtol=1e-6, msg=lambda m: f"{name}': {m}")
 
 # ------------------------------------------------------------------------------------------------------ the layer
 def _close(got, want, tol, what, scale=0.):

@@ -157,3 +157,14 @@ def test_layer_without_conv(act):
     for a, b in ((out, out64), (x.grad, x64.grad), (bn.weight.grad, ref.weight.grad), (bn.bias.grad, ref.bias.grad),
                  (bn.running_mean, ref.running_mean), (bn.running_var, ref.running_var)):
         assert rel(a, b) < 1e-4
+
+def test_opcheck_half_precision_backward():
+    """The Triton kernels' backward, bf16, passes opcheck with results not needed (empty): in x's dtype, the BN
+    parameters' gradients in params', as the fake states (they were x's dtype for all, the fake fp32 for all)"""
+    from test_ops import _op_args
+    x, w, b, bw, bb, r, mean, var, *geom, eps, act, p, keep_y = _op_args()
+    x, w, b, r = (t.to(torch.bfloat16) for t in (x, w, b, r))
+    out, y, params = torch.ops.clfast.layer_fwd(x, w, b, bw, bb, r, mean, var, *geom, eps, act, p, keep_y)
+    for needs in [(True,) * 6, (True, False, False, True, True, False), (False, True, True, False, False, True)]:
+        args = (torch.randn_like(out), x, w, b, y, params, r, torch.empty(0), *geom, True, act, p, list(needs))
+        torch.library.opcheck(torch.ops.clfast.layer_bwd.default, args, test_utils=('test_schema', 'test_faketensor'))

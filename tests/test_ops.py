@@ -178,6 +178,20 @@ def test_opcheck(kw):
     for momentum in (0.1, None):
         torch.library.opcheck(torch.ops.clfast.conv_bn_act.default, _layer_args(**kw, momentum=momentum))
 
+@pytest.mark.parametrize('kernels', ['kernel', 'ref'])
+def test_opcheck_half_precision_backward(kernels):
+    """A bf16 layer's backward passes opcheck with results not needed (empty): the fake's empties are the kernels', in
+    x's dtype (the BN parameters' gradients in params'); it said fp32 for all, where the C++ kernels give bf16"""
+    ops.kernels_ready()
+    x, w, b, bw, bb, r, mean, var, *geom, eps, act, p, keep_y = _op_args()
+    x, w, b, r = (t.to(torch.bfloat16) for t in (x, w, b, r))
+    with (contextlib.nullcontext() if kernels == 'kernel' else ops.kernels_from('ref')):
+        out, y, params = torch.ops.clfast.layer_fwd(x, w, b, bw, bb, r, mean, var, *geom, eps, act, p, keep_y)
+        for needs in [(True,) * 6, (True, False, False, True, True, False), (False, True, True, False, False, True),
+                      (False,) * 6]:
+            args = (torch.randn_like(out), x, w, b, y, params, r, torch.empty(0), *geom, True, act, p, list(needs))
+            torch.library.opcheck(torch.ops.clfast.layer_bwd.default, args, test_utils=('test_schema', 'test_faketensor'))
+
 def test_cumulative_average():
     "momentum=None: the running statistics are the plain average over the batches seen, as BatchNorm2d's"
     bn = torch.nn.BatchNorm2d(3, momentum=None)

@@ -43,7 +43,7 @@ def _sum_partials(ps_ptr, cols, cmask, C, P, BLOCK_P: tl.constexpr, BLOCK_C: tl.
         q += tl.sum(tl.load(pq_ptr + offs, mask=mask, other=0, volatile=True), axis=0)
     return s, q
 
-# %% ../nbs/20_triton_kernels.ipynb #91227861
+# %% ../nbs/20_triton_kernels.ipynb #6bbaadfa
 @triton.jit
 def _write_params(mean, var, cols, cmask, w_ptr, b_ptr, eps, prm_ptr, C, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
     "Rows 1-3 of `params`, `invstd, scale, shift`, from the per-channel mean and variance and the affine weight and bias"
@@ -72,32 +72,23 @@ def _update_running(mean, var, cols, cmask, rm_ptr, rv_ptr, w, correction):
     tl.store(rm_ptr + cols, _lerp(rm, mean, w).to(rdt), mask=cmask)
     tl.store(rv_ptr + cols, _lerp(rv, var * correction, w).to(rdt), mask=cmask)
 
-_SHIFT_ROWS = tl.constexpr(8)   # rows sampled for the statistics' shift: robust to 3 outliers among them
+@triton.jit
+def _med3(x, y, z): return tl.maximum(tl.minimum(x, y), tl.minimum(tl.maximum(x, y), z))
 
 @triton.jit
 def _shift(x_ptr, cols, cmask, M, C, dtype: tl.constexpr):
-    """Per channel at `cols`, the median (the upper one of an even count) of the finite values among `_SHIFT_ROWS` rows
-    spread evenly over the `M` rows, 0 where none is finite: an element of `x`, the same in every program. Each sampled
-    value's rank is counted against the others (`_SHIFT_ROWS`^2 compares of channel vectors, rows read again from
-    cache: no sort, no reduction across threads). The outer loop is a loop, not unrolled: unrolled, the compiler kept
-    every sample and its addresses live (215 registers and a spill on sm_90, fp32 16 channels a tile). Finite: `v - v`
-    is 0 (NaN at NaN and +-inf)"""
-    m = M.to(tl.int64)
-    shift = tl.zeros(cols.shape, dtype=dtype)
-    for i in range(0, _SHIFT_ROWS):
-        a = tl.load(x_ptr + (m * i // _SHIFT_ROWS) * C + cols, mask=cmask, other=0).to(dtype)
-        k = tl.zeros(cols.shape, dtype=tl.int32)       # finite samples, those < a, and those <= a
-        below = tl.zeros(cols.shape, dtype=tl.int32)
-        upto = tl.zeros(cols.shape, dtype=tl.int32)
-        for j in tl.static_range(_SHIFT_ROWS):
-            b = tl.load(x_ptr + (m * j // _SHIFT_ROWS) * C + cols, mask=cmask, other=0).to(dtype)
-            fb = (b - b) == 0
-            k += fb.to(tl.int32)
-            below += (fb & (b < a)).to(tl.int32)
-            upto += (fb & (b <= a)).to(tl.int32)
-        # a is the sorted finite samples' element k // 2 (its copies alike)
-        shift = tl.where(((a - a) == 0) & (below <= k // 2) & (k // 2 < upto), a, shift)
-    return shift
+    """Per channel at `cols`, the shift of the statistics' sums, as csrc/bn_act.cpp's `stats_shift`: the median of 5 rows
+    spread over the `M` rows (the first, the last, three between), 0 where it is not finite (`v - v` is NaN at NaN and
+    +-inf); the same in every program. Min and max of channel vectors, 5 loads: of the pairs (a, b), (p, d) the larger
+    minimum and the smaller maximum are the 2nd and 3rd of the four, and the median of 5 is theirs and e's"""
+    m = M.to(tl.int64) - 1
+    a = tl.load(x_ptr + cols, mask=cmask, other=0).to(dtype)
+    b = tl.load(x_ptr + (m // 4) * C + cols, mask=cmask, other=0).to(dtype)
+    p = tl.load(x_ptr + (m // 2) * C + cols, mask=cmask, other=0).to(dtype)
+    d = tl.load(x_ptr + (3 * m // 4) * C + cols, mask=cmask, other=0).to(dtype)
+    e = tl.load(x_ptr + m * C + cols, mask=cmask, other=0).to(dtype)
+    v = _med3(e, tl.maximum(tl.minimum(a, b), tl.minimum(p, d)), tl.minimum(tl.maximum(a, b), tl.maximum(p, d)))
+    return tl.where((v - v) == 0, v, 0.)
 
 @triton.jit
 def _stats(x_ptr, ps_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, out_ptr, rm_ptr, rv_ptr, nbt_ptr, kr_ptr, M, Cq, rows_per, P,
@@ -105,9 +96,8 @@ def _stats(x_ptr, ps_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, out_ptr, rm_ptr, rv_ptr
            BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, UNROLL: tl.constexpr, C_ALIGN: tl.constexpr):
     """Per-channel mean and biased variance of the `[M, C]` rows into `out`'s rows 0 and 1 (with `PARAMS`, `out` is
     `params` and gets its five rows), one launch: each program sums `x - shift` and `(x - shift)^2` over one slab of
-    rows, `UNROLL` tiles of rows a step, into `ps` (`[2P + 1, C]`: the sums, the sums of squares, then the shift,
-    `_shift`'s, which program 0 stores for the last one). With
-    `RUNNING` (`NBT`) it also does `_running`'s work for a momentum (`kr`: momentum, Bessel's correction), one launch
+    rows, `UNROLL` tiles of rows a step, into `ps` (`[2P + 1, C]`: the sums, the sums of squares, then the shift, which
+    program 0 stores for the last one). With `RUNNING` (`NBT`) it also does `_running`'s work for a momentum (`kr`: momentum, Bessel's correction), one launch
     fewer: the running statistics of its channels (the count, once)"""
     C = Cq * C_ALIGN
     pid_m, pid_c = tl.program_id(0), tl.program_id(1)
@@ -132,8 +122,8 @@ def _stats(x_ptr, ps_ptr, lock_ptr, w_ptr, b_ptr, k_ptr, out_ptr, rm_ptr, rv_ptr
     if _last_program(lock_ptr + pid_c, P):
         s, q = _sum_partials(ps_ptr, cols, cmask, C, P, BLOCK_M, BLOCK_C)   # the accumulators' tile, free now
         md = s / M
-        # the shift loaded again, as program 0 stored it: kept live across the loop, it cost some specializations a
-        # stack frame (sm_80)
+        # the shift as program 0 stored it: kept live across the loop, or computed again here, it cost some
+        # specializations a stack frame or spills (sm_80, sm_100)
         mean = tl.load(ps_ptr + 2 * P * C + cols, mask=cmask, other=0, volatile=True) + md
         v = q / M - md * md
         var = tl.where(v < 0, 0., v)   # a NaN kept, as ATen's (tl.maximum drops it)

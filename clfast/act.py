@@ -65,8 +65,12 @@ ACTS = {a.name: a for a in [
         module=lambda p: nn.GELU(approximate='tanh')),
 ]}
 
-# %% ../nbs/19_act.ipynb #d0f907ee
-_STOCK = {nn.Identity: lambda m: ('none', 0.), nn.ReLU: lambda m: ('relu', 0.), nn.ReLU6: lambda m: ('relu6', 0.),
+# %% ../nbs/19_act.ipynb #120c6161
+def _hardtanh(m) -> tuple:
+    "relu6 for a ReLU6 (or Hardtanh) clamping to [0, 6]; none of `ACTS` for other bounds (a ReLU6's `max_val` set)"
+    return ('relu6' if (m.min_val, m.max_val) == (0., 6.) else None), 0.
+
+_STOCK = {nn.Identity: lambda m: ('none', 0.), nn.ReLU: lambda m: ('relu', 0.), nn.ReLU6: _hardtanh, nn.Hardtanh: _hardtanh,
           nn.LeakyReLU: lambda m: ('leaky_relu', float(m.negative_slope)), nn.SiLU: lambda m: ('silu', 0.),
           nn.Hardswish: lambda m: ('hardswish', 0.),
           nn.GELU: lambda m: ({'none': 'gelu', 'tanh': 'gelu_tanh'}.get(m.approximate), 0.)}

@@ -194,7 +194,7 @@ class _FusedMixin(AsStock):
     "What every module clfast fuses is: pickles as its stock class (no clfast needed to load it), deep-copies as itself"
     _own_attrs = ('surgical',)
 
-# %% ../nbs/23_fused.ipynb #abfbb3b4
+# %% ../nbs/23_fused.ipynb #3a0f3fe0
 _stock_blocks = [0]   # how many fused blocks are running their stock forward now: every chain in them runs unfused
 
 class _FusedChain(_FusedMixin):
@@ -258,7 +258,9 @@ def _act_changed(act:nn.Module):
     opened = []
     for c in chains:
         if c.__dict__.get('opened') is not None: continue   # runs unfused for good: `act` does its own work
-        if spec is not None: c.__dict__.update(act=spec[0], act_param=float(spec[1]))
+        if spec is not None:
+            c.__dict__.update(act=spec[0], act_param=float(spec[1]))
+            c.__dict__.pop('_packed', None)   # a folded conv's oneDNN plan (`clfast.fuse.fold`) holds its activation
         else:
             c.__dict__['opened'] = f"its {act._stock_class.__name__} was set to an activation the fused op does not compute"
             opened.append(c)

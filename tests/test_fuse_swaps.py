@@ -258,3 +258,30 @@ def test_activation_set_to_one_the_fused_op_lacks():
     stock = unfuse_conv_bn(copy.deepcopy(m)).double()
     x = torch.randn(2, 3, 8, 8)
     for train in (True, False): assert _max_diff(m, stock, x, train) < 1e-5
+
+_FOLDED_AT = {'timm bn act': lambda m: m[1]}   # folded: the BN's place holds its activation, as a pass-through
+
+@pytest.mark.parametrize('kind', [k for k in _SETTINGS if k != 'gelu'] + ['relu6 max_val'])
+def test_activation_setting_changed_after_folding(kind):
+    """A setting assigned to an activation after `fold_conv_bn` reaches the folded convs that apply it (their oneDNN
+    plans made again), or, one they cannot apply (a ReLU6's `max_val`), is applied by the module itself: the folded
+    model computes as the stock model with the changed setting, in float64 (before: the folded convs kept the setting
+    they were folded with, 0.99 off)"""
+    from clfast.fuse import fold_conv_bn
+    torch.manual_seed(0)
+    if kind == 'relu6 max_val':
+        m, settings = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU6()), [(lambda m: m[2], 'max_val', 0.5)]
+    else: m, settings = _leaky_block(kind), _SETTINGS[kind]
+    m = _busy_stats(m).eval()
+    stock, folded = copy.deepcopy(m).double(), fold_conv_bn(m)
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    with torch.no_grad(): folded(x)   # oneDNN's plan made with the setting folded
+    for where, name, value in settings:
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore', ClfastWarning)   # (the ReLU6 the folded op cannot apply: said once)
+            setattr(_FOLDED_AT.get(kind, where)(folded), name, value)
+        setattr(where(stock), name, value)
+        with torch.no_grad(): out, want = folded(x), stock(x.double())
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    # it pickles as importable stock classes (fastai alone loads it): the pass-through in the BN's place too
+    assert all(getattr(sys.modules[t.__module__], t.__name__, None) is t for t in pickle_types(folded)), pickle_types(folded)

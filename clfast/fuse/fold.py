@@ -21,7 +21,7 @@ from ..stock import rebuilt, replace_modules
 # %% auto #0
 __all__ = ['FoldedConv2d', 'fold_conv_bn']
 
-# %% ../../nbs/24e_fuse_fold.ipynb #a74c33f8
+# %% ../../nbs/24e_fuse_fold.ipynb #55cddb9e
 class FoldedConv2d(_FusedMixin, nn.Conv2d):
     "A conv with BN folded into its weights, then (+ residual) (→ activation); pickles as a stock `nn.Conv2d`"
     _stock_class, _own_attrs = nn.Conv2d, ('act', 'act_param', 'onednn', 'surgical', '_packed', 'opened', '_act_source')
@@ -116,11 +116,11 @@ def fold_conv_bn(model:nn.Module, inplace:bool=False, onednn:bool=True) -> nn.Mo
     fuser = _Fuser(m, 'speed', check=_foldable)
     fuser.visit(m)
     fuser.watch_acts()   # timm's BN's and fused blocks' activations know the chains, then the folded convs, they feed
-    new, folded_of = {}, {}
+    new = {}
     for conv in [c for c in m.modules() if isinstance(c, FusedConvBN2d) and c.surgical]:
         bn, act, act_param = conv._fused_bn, conv.act, conv.act_param
         w, b = fuse_conv_bn_weights(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias)
-        folded = new[conv] = folded_of[conv] = rebuilt(conv, FoldedConv2d, drop=conv._own_attrs)
+        folded = new[conv] = rebuilt(conv, FoldedConv2d, drop=conv._own_attrs)
         folded._parameters = type(conv._parameters)(weight=nn.Parameter(w.detach(), requires_grad=False),
                                                     bias=nn.Parameter(b.detach(), requires_grad=False))
         folded.__dict__.update(act=act, act_param=act_param, onednn=onednn and torch.backends.mkldnn.is_available(),
@@ -135,7 +135,7 @@ def fold_conv_bn(model:nn.Module, inplace:bool=False, onednn:bool=True) -> nn.Mo
     # chains they replace (`clfast.fused._act_changed`); a setting they cannot apply, they apply it as the module does
     for a in m.modules():
         if not isinstance(a, _ActSource): continue
-        users = [folded_of[c] for c in (*a.__dict__.get('_act_users', ()), a.__dict__.get('_fused_by')) if c in folded_of]
+        users = [new[c] for c in (*a.__dict__.get('_act_users', ()), a.__dict__.get('_fused_by')) if isinstance(new.get(c), FoldedConv2d)]
         a.__dict__['_act_users'] = users
         for u in users: u.__dict__['_act_source'] = a
     report = fuser.finish()

@@ -12,8 +12,8 @@ from .machine import CPU_LEVELS, LEVEL_FLAGS, ISA_CAP_ENV, clfast_isa, host_isa,
 
 # %% auto #0
 __all__ = ['CSRC', 'SOURCES', 'BACKWARD_WAYS', 'PACKAGE', 'GEMM_BACKWARD', 'missing_compiler', 'missing_toolchain', 'build_flags',
-           'ext_name', 'own_ninja', 'library_path', 'is_built', 'levels_here', 'installed_name', 'installed_library',
-           'build', 'built_levels', 'main', 'load', 'set_gemm_backward', 'gemm_backward_choices']
+           'ext_name', 'own_ninja', 'library_path', 'is_built', 'backward_key', 'levels_here', 'installed_name',
+           'installed_library', 'build', 'built_levels', 'main', 'load', 'set_gemm_backward', 'gemm_backward_choices']
 
 # %% ../nbs/22_cpu_kernels.ipynb #a8ca19e4
 CSRC = Path(clfast.__file__).parent/'csrc'
@@ -130,16 +130,24 @@ def _sealed(level:str) -> bool:
 
 def _say(msg:str): print(f"clfast: {msg}", file=sys.stderr, flush=True)
 
-# %% ../nbs/22_cpu_kernels.ipynb #ch00se01
+# %% ../nbs/22_cpu_kernels.ipynb #aca1e0f6
 BACKWARD_WAYS = ('conv', 'gemm', 'fp32')   # what 'timed' can choose per shape (the C++ BackwardWay)
 
+def _rows(t) -> bool: return t.is_contiguous(memory_format=torch.channels_last)   # the C++ `is_rows` of a 4D tensor
+
+def backward_key(dy, x, weight, stride, padding, dilation, groups:int, needs:int) -> str:
+    """The timing cache's key of a conv backward's shape (a way's name follows it): as the C++ library's per-shape key,
+    with ' strided' where x or dy is not dense channels-last (there the GEMM way cannot read them as rows)"""
+    return (f"conv_backward:x{list(x.shape)} w{list(weight.shape)} stride{list(stride)} pad{list(padding)} "
+            f"dil{list(dilation)} groups{groups} {str(x.dtype).removeprefix('torch.')} needs{needs} {torch.get_num_threads()}t"
+            + ('' if _rows(x) and _rows(dy) else ' strided'))
+
 def _choose_backward(dy, x, weight, bias, stride, padding, dilation, groups:int, needs:int, ways:list) -> int:
-    """The way (a `BACKWARD_WAYS` index) a conv backward of this shape runs, asked by the C++ library the first time it
-    meets the shape in 'timed': each candidate way timed against ATen's by `clfast.timing` (once per machine, cached);
-    the one chosen with the lowest ratio, else ATen's"""
+    """The way (a `BACKWARD_WAYS` index) a conv backward of this shape and layout runs, asked by the C++ library the
+    first time it meets them in 'timed': each candidate way timed against ATen's by `clfast.timing` (once per machine,
+    cached); the one chosen with the lowest ratio, else ATen's"""
     from clfast.timing import decide, time_pair
-    shape = (f"conv_backward:x{list(x.shape)} w{list(weight.shape)} stride{list(stride)} pad{list(padding)} "
-             f"dil{list(dilation)} groups{groups} {str(x.dtype).removeprefix('torch.')} needs{needs} {torch.get_num_threads()}t")
+    shape = backward_key(dy, x, weight, stride, padding, dilation, groups, needs)
     def run(way): return lambda: torch.ops.clfast_cpu.conv_backward_as(dy, x, weight, bias, stride, padding, dilation,
                                                                          groups, needs, way)
     best, best_ratio = 0, float('inf')
@@ -247,7 +255,7 @@ def load(verbose:bool=False) -> Path|None:
             if _lib is not None: _register_chooser()
     return _lib
 
-# %% ../nbs/22_cpu_kernels.ipynb #c3d15571
+# %% ../nbs/22_cpu_kernels.ipynb #7e7f6a9b
 GEMM_BACKWARD = ('conv', 'gemm', 'timed')
 
 def set_gemm_backward(how:str) -> str:
@@ -257,8 +265,8 @@ def set_gemm_backward(how:str) -> str:
     return GEMM_BACKWARD[torch.ops.clfast_cpu.set_gemm_backward(GEMM_BACKWARD.index(how))]
 
 def gemm_backward_choices() -> dict:
-    "What 'timed' chose so far: `{(x's shape, weight's shape, stride, padding, dilation, dtype name, needs, threads): 'conv', 'gemm' or 'fp32'}` (`needs`: bits dx 1, dweight 2, dbias 4; 'fp32': ATen's way on fp32 copies of a bf16/fp16 conv)"
+    "What 'timed' chose so far: `{(x's shape, weight's shape, stride, padding, dilation, dtype name, needs, threads, rows): 'conv', 'gemm' or 'fp32'}` (`needs`: bits dx 1, dweight 2, dbias 4; `rows`: x and dy dense channels-last, which the GEMM way needs; 'fp32': ATen's way on fp32 copies of a bf16/fp16 conv)"
     load()
     rows, dtypes = torch.ops.clfast_cpu.gemm_backward_choices()
-    return {(tuple(r[:4]), tuple(r[4:8]), tuple(r[8:10]), tuple(r[10:12]), tuple(r[12:14]), dt, r[15], r[16]):
-            BACKWARD_WAYS[r[17]] for r, dt in zip(rows.tolist(), dtypes)}
+    return {(tuple(r[:4]), tuple(r[4:8]), tuple(r[8:10]), tuple(r[10:12]), tuple(r[12:14]), dt, r[15], r[16], bool(r[17])):
+            BACKWARD_WAYS[r[18]] for r, dt in zip(rows.tolist(), dtypes)}

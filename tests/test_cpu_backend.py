@@ -301,7 +301,7 @@ def test_gemm_backward_timed_once_per_shape(k, gemm_way):
     n, cin, cout, h, w = 2, 16, 24, 3, 11     # a shape no other test uses
     one = ([1, 1], [0, 0], [1, 1], 1)
     key = lambda needs=3, kernel=(1, 1), stride=(1, 1), pad=(0, 0): (
-        (n, cin, h, w), (cout, cin, *kernel), stride, pad, (1, 1), 'Float', needs, torch.get_num_threads())
+        (n, cin, h, w), (cout, cin, *kernel), stride, pad, (1, 1), 'Float', needs, torch.get_num_threads(), True)
     keys = lambda: set(cpu_kernels.gemm_backward_choices())
     x, wt, b = conv_case(torch.float32, n, cin, cout, h, w, bias=False)
     before = keys()
@@ -339,7 +339,7 @@ def test_reduced_precision_backward_timed_with_fp32(k, gemm_way, dtype):
     x = torch.randn(n, c, h, w).to(dtype).to(memory_format=CL)
     wt = torch.randn(c, 1, 3, 3).to(dtype).to(memory_format=CL)
     key = ((n, c, h, w), (c, 1, 3, 3), (2, 2), (1, 1), (1, 1), {torch.bfloat16: 'BFloat16', torch.float16: 'Half'}[dtype],
-           3, torch.get_num_threads())
+           3, torch.get_num_threads(), True)
     first, dout = gemm_bwd(k, x, wt, None, geom, needs=(True, True, False))
     choice = cpu_kernels.gemm_backward_choices()[key]
     assert choice in ('conv', 'fp32'), choice
@@ -364,6 +364,32 @@ def test_gemm_backward_columns_capped(k, gemm_way):
     gemm_way('conv')
     want, _ = gemm_bwd(k, x, wt, None, ([1, 1], [1, 1], [1, 1], 1), needs=(False, True, False), dout=dout)
     assert torch.equal(got[1], want[1])
+
+def test_strided_input_of_a_shape_that_chose_gemm(k, gemm_way, tmp_path, monkeypatch):
+    """A channel slice of a wider channels-last map (cspnet's and dpn's blocks split theirs) is not the dense rows the
+    GEMM way reads: a bf16 shape whose dense calls chose the GEMM way chooses apart for it, among the ways that can read
+    it, and its gradients are fp64 ATen's (it ran the GEMM way on the wrong memory: cs3darknet_s's bf16 weight gradient
+    1.4 off fp64, stock's 0.0017). The dense shape's choice is planted in a fresh cache: which way wins a timing is this
+    machine's to say (fp32's way planted slower). bf16: an fp32 slice has one way (ATen's) and is never timed"""
+    from clfast.timing import Timing, decide
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    n, cin, cout, h, w = 3, 20, 12, 5, 7     # a shape no other test uses
+    one, bf16 = ([1, 1], [0, 0], [1, 1], 1), torch.bfloat16
+    wide = torch.randn(n, 2 * cin, h, w).to(bf16).to(memory_format=CL)
+    dense, xs = wide[:, cin:].contiguous(memory_format=CL), wide[:, cin:]
+    wt = torch.randn(cout, cin, 1, 1).to(bf16)
+    dout = torch.randn(n, cout, h, w).to(bf16).to(memory_format=CL)
+    dense_key = cpu_kernels.backward_key(dout, dense, wt, *one, 3)
+    decide(f"{dense_key} gemm", lambda: Timing(0.5, 10, True, 1e-3))
+    decide(f"{dense_key} fp32", lambda: Timing(1.5, 10, False, 1e-3))
+    for x in (dense, xs):
+        got, _ = gemm_bwd(k, x, wt, None, one, needs=(True, True, False), dout=dout)
+        want = torch.ops.aten.convolution_backward(dout.double(), x.double(), wt.double(), None, *one[:3], False, [0, 0],
+                                                   1, [True, True, False])
+        for name, g, w_ in zip(('dx', 'dweight'), got, want): assert_close(g, w_, TOL[bf16][1], f"{x.stride()} {name}")
+    key = lambda rows: ((n, cin, h, w), (cout, cin, 1, 1), (1, 1), (0, 0), (1, 1), 'BFloat16', 3, torch.get_num_threads(), rows)
+    choices = cpu_kernels.gemm_backward_choices()
+    assert choices[key(True)] == 'gemm' and choices[key(False)] in ('conv', 'fp32'), choices
 
 def test_gemm_backward_setting_errors(gemm_way):
     with pytest.raises(ValueError, match="'conv', 'gemm', 'timed'"): gemm_way('fast')

@@ -40,6 +40,10 @@ FLIP_FLOOR = 0.1
 # input) and amplifies every upstream rounding: rexnet_100's fp32 output is 9.3e-5 off fp64 at batch 2 (its
 # fused step 3.8e-4), 6.3e-6 at batch 3 (fused 8.0e-6)
 BATCH = 3
+# Over three values that BN is still near degenerate in bf16: rexnet_100's squeeze-excite weight gradients are noise
+# there (stock contiguous 1.54 off fp64, PyTorch's channels-last 1.97; 20 random mixtures of the fused and stock ways
+# 'timed' can choose per layer 1.15-5.13: CI's run drew 5.06, over 3x stock's), at batch 6 0.70-0.83 (stock 0.77)
+BATCHES = {'rexnet_100': 6}
 
 def step(m, x, amp=None):
     "One training step's forward and backward, under CPU autocast in `amp`: output, gradients and BN buffers, in fp64"
@@ -83,7 +87,7 @@ def reference(name):
     torch.manual_seed(0)
     make, size = ZOO[name]
     base = randomize_bn(make()).train()
-    x = torch.randn(BATCH, 3, size, size)
+    x = torch.randn(BATCHES.get(name, BATCH), 3, size, size)
     ref = step(copy.deepcopy(base).double(), x.double())
     return base, x, ref, {amp: errors(step(copy.deepcopy(base), x, amp), ref) for amp in DTYPES}
 

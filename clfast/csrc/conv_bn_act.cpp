@@ -149,8 +149,10 @@ std::atomic<int64_t> gemm_way{int64_t(GemmWay::timed)};
 // The ways one conv backward can run ('timed' picks one per shape); their names in `gemm_backward_choices`
 enum class BackwardWay : int64_t { aten = 0, gemm = 1, aten_fp32 = 2 };
 // x's N, C, H, W; the weight's shape (out channels, in channels per group, kernel height, width); stride, padding,
-// dilation (h, w each); dtype; needs (bits dx 1, dweight 2, dbias 4); threads  ->  the way that won
-using ShapeKey = std::array<int64_t, 17>;
+// dilation (h, w each); dtype; needs (bits dx 1, dweight 2, dbias 4); threads; rows (1 where x and dy are dense
+// channels-last, `is_rows`: only there can the GEMM way read them, so a strided call of a shape whose dense calls
+// chose it chooses apart, among the ways that apply to it)  ->  the way that won
+using ShapeKey = std::array<int64_t, 18>;
 std::mutex gemm_mutex;
 std::map<ShapeKey, BackwardWay> gemm_won;
 // cols(x) larger than this is not built: a temporary that big costs more in page faults than ATen's way
@@ -313,7 +315,7 @@ ConvGrads conv_backward_way(const Tensor& dy, const Tensor& x, const Tensor& wei
   const ShapeKey key{x.size(0), x.size(1), x.size(2), x.size(3), weight.size(0), weight.size(1), weight.size(2), weight.size(3),
                      g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1],
                      int64_t(x.scalar_type()), int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2,
-                     int64_t(at::get_num_threads())};
+                     int64_t(at::get_num_threads()), int64_t(clfast_cpu::is_rows(x) && clfast_cpu::is_rows(dy))};
   {
     std::lock_guard<std::mutex> lock(gemm_mutex);
     const auto it = gemm_won.find(key);

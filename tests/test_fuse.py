@@ -207,6 +207,25 @@ def test_a_folded_model_trained_again_computes_its_new_weights():
     convs = [c for c in m.modules() if isinstance(c, FoldedConv2d)]
     assert convs and all(c.bias.grad is not None for c in convs) and all(c.weight.grad is None for c in convs)
 
+def test_a_folded_model_trained_then_frozen_again_computes_its_new_weights():
+    """A folded model that predicted (its oneDNN plans made), was trained by a fastai optimizer (writes through `.data`:
+    neither version nor address moves) and frozen again for inference predicts with its new weights, not the plans'
+    reordered old ones (kept, they were 0.82 off fp64 in relative L2)"""
+    from fastai.optimizer import SGD
+    torch.manual_seed(0)
+    m = fold_conv_bn(randomize_bn(MODELS['timm_resnet18']()).eval()).to(memory_format=torch.channels_last)
+    x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad(): m(x)
+    assert any('_packed' in c.__dict__ for c in m.modules() if isinstance(c, FoldedConv2d))
+    m.requires_grad_(True)
+    opt = SGD(list(m.parameters()), lr=0.1)
+    for _ in range(2):
+        m(x).square().mean().backward()
+        opt.step(); opt.zero_grad()
+    m.requires_grad_(False)
+    with torch.no_grad(): got = m(x)
+    assert _rel64(got, m, x) < 1e-5
+
 def test_folded_parameters_are_parameters_and_take_unbatched_inputs():
     "A folded conv's weights stay `nn.Parameter`s (`.to('meta')`, `load_state_dict(assign=True)` raised); an unbatched [C, H, W] input runs as the stock conv's (oneDNN raised), fp32 and bf16, oneDNN kept for batches"
     torch.manual_seed(0)

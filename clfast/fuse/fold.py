@@ -21,7 +21,7 @@ from ..stock import rebuilt, replace_modules
 # %% auto #0
 __all__ = ['FoldedConv2d', 'fold_conv_bn']
 
-# %% ../../nbs/24e_fuse_fold.ipynb #55cddb9e
+# %% ../../nbs/24e_fuse_fold.ipynb #a0539511
 class FoldedConv2d(_FusedMixin, nn.Conv2d):
     "A conv with BN folded into its weights, then (+ residual) (→ activation); pickles as a stock `nn.Conv2d`"
     _stock_class, _own_attrs = nn.Conv2d, ('act', 'act_param', 'onednn', 'surgical', '_packed', 'opened', '_act_source')
@@ -31,8 +31,11 @@ class FoldedConv2d(_FusedMixin, nn.Conv2d):
         "The dtype oneDNN runs this call in (fp32, or bf16 under CPU bf16 autocast / for a bf16 model), or None"
         if not (self.onednn and x.is_cpu and x.dim() == 4): return None   # (an unbatched [C, H, W]: the stock conv)
         w, b = self._parameters['weight'], self._parameters['bias']
-        # trainable (see above): a write through `.data` would leave the reordered weight stale
-        if w.requires_grad or (b is not None and b.requires_grad): return None
+        # trainable (see above): a write through `.data` would leave the reordered weight stale, even once the conv
+        # is frozen again (the weight's version and address unchanged), so a trainable call drops it
+        if w.requires_grad or (b is not None and b.requires_grad):
+            self.__dict__.pop('_packed', None)
+            return None
         if torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)): return None
         if torch.is_autocast_enabled('cpu'):
             dt = torch.get_autocast_dtype('cpu')

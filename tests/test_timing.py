@@ -138,6 +138,27 @@ def test_cpp_backward_choice_is_timings_once_per_machine(tmp_path):
     assert decided.strip() in ("['gemm:True']", "['gemm:False']")
     assert way == ('gemm' if 'True' in decided else 'conv') and again.stdout == first.stdout
 
+def test_a_decision_is_this_processs_at_the_thread_count_it_runs_now(tmp_path, monkeypatch):
+    """The file keys decisions by the thread count (`machine_key`), and so does this process after
+    `torch.set_num_threads`: channels-last BN's precision premise (`clfast.bn`) held on 1 thread and not on 32, and a
+    process that first asked on 32 threads kept it False on 1, its BNs stock there (38x contiguous's error against
+    fp64). A premise probed on each count, each answer read back from the process's or the file's, not probed again"""
+    from clfast.routes import premise
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {}); monkeypatch.setattr(timing, '_here_threads', {})
+    probed = []
+    def probe():   # holds on one thread only, as the BN premise's numerics may
+        probed.append(torch.get_num_threads())
+        return torch.get_num_threads() == 1
+    threads = torch.get_num_threads()
+    try:
+        answers = []
+        for n in (4, 1, 4, 1):
+            torch.set_num_threads(n)
+            answers.append(premise('test_threads', probe))
+    finally: torch.set_num_threads(threads)
+    assert answers == [False, True, False, True] and probed == [4, 1]
+
 def test_an_unwritable_cache_still_decides(tmp_path, monkeypatch):
     "No writable cache directory: the decision is measured and kept for this process; nothing raises"
     (tmp_path/'file').write_text('')

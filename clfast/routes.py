@@ -114,7 +114,7 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/04c_routes.ipynb #01e587e1
+# %% ../nbs/04c_routes.ipynb #39266ea8
 def reduced_backward_slower(dtype:torch.dtype) -> Timing:
     "The probe of `SLOW_BF16_BACKWARD` / `SLOW_FP16_BACKWARD`: a depthwise 3x3 stride-2 and a dense 3x3 channels-last conv backward (batch 8, 16x16), ATen's in fp32 on widened copies timed against stock in `dtype` (`time_pair`); the depthwise one's timing unless only the dense one is faster"
     def timing(c, groups):
@@ -148,7 +148,9 @@ def may_meet_slow_backward(conv:nn.Module) -> bool:
     return (type(conv) in (nn.Conv2d, GuardedConv2d) and conv.padding_mode == 'zeros' and not isinstance(conv.padding, str)
             and any(k.present() for k in _SLOW_BACKWARD.values()))
 
-_BACKWARD_WAYS = {}   # (x's shape, weight's shape, geometry, dtype, needs, threads) -> the way 'timed' chose for it
+# (x's shape, weight's shape, geometry, dtype, needs, threads, x dense channels-last) -> the way 'timed' chose for it:
+# the C++ library chooses apart for a strided x (a channel slice), so one's 'conv' does not send the other to stock
+_BACKWARD_WAYS = {}
 
 class _TimedBackwardConv(torch.autograd.Function):
     "ATen's conv forward; its backward the way `clfast.cpu_kernels` times per shape (`stock_conv_backward`); saves what the stock conv saves"
@@ -181,7 +183,8 @@ def slow_backward_conv(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None
     if dt not in _SLOW_BACKWARD or not (x.requires_grad or weight.requires_grad): return None
     if torch.are_deterministic_algorithms_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling(): return None
     needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    key = (x.shape, weight.shape, conv.stride, conv.padding, conv.dilation, dt, needs, torch.get_num_threads())
+    key = (x.shape, weight.shape, conv.stride, conv.padding, conv.dilation, dt, needs, torch.get_num_threads(),
+           x.is_contiguous(memory_format=torch.channels_last))
     if _BACKWARD_WAYS.get(key) == 'conv' or not _SLOW_BACKWARD[dt].present(): return None
     if not kernels_ready(): return None
     x, weight, bias = autocast_cast(x, weight, bias, dev='cpu')

@@ -12,9 +12,10 @@ try: import fcntl   # POSIX; elsewhere a cache's writers are not kept apart (`Ma
 except ImportError: fcntl = None
 
 # %% auto #0
-__all__ = ['CPU_LEVELS', 'LEVEL_FLAGS', 'ISA_CAP_ENV', 'ISA_ORDER', 'ISA_ENV', 'LOCK_WAIT', 'STEADY_HEAP', 'cpu_name', 'cpu_id',
-           'cpu_flags', 'CpuIsaError', 'is_x86', 'host_isa', 'clfast_isa', 'isa_env', 'onednn_isa', 'cpu_isa',
-           'machine_key', 'cache_dir', 'MachineCache', 'keep_heap_steady', 'OthersCpu']
+__all__ = ['CPU_LEVELS', 'LEVEL_FLAGS', 'ISA_CAP_ENV', 'ISA_ORDER', 'ISA_ENV', 'LOCK_WAIT', 'STEADY_HEAP', 'BUSY_SHARE',
+           'MIN_BUSY_WINDOW', 'cpu_name', 'cpu_id', 'cpu_flags', 'CpuIsaError', 'is_x86', 'host_isa', 'clfast_isa',
+           'isa_env', 'onednn_isa', 'cpu_isa', 'machine_key', 'cache_dir', 'MachineCache', 'keep_heap_steady',
+           'OthersCpu']
 
 # %% ../nbs/04_machine.ipynb #281bc869
 def _cpuinfo() -> dict:
@@ -148,7 +149,7 @@ def _homeless_dir() -> Path:
     try: return Path(tempfile.mkdtemp(prefix='clfast-'))
     except OSError: return d   # no writable temp dir: every write is skipped
 
-# %% ../nbs/04_machine.ipynb #36146948
+# %% ../nbs/04_machine.ipynb #c5a8539b
 LOCK_WAIT = 30.   # seconds a write of a cache waits for another's (of another process or thread) before it is skipped
 
 class MachineCache:
@@ -267,24 +268,31 @@ def keep_heap_steady() -> bool:
     return all(mallopt(option[env], min(int(size), 2**31 - 1)) == 1 for env, size in STEADY_HEAP.items())   # (a C int)
 
 def _cpu_ticks() -> tuple[int, int]|None:
-    "(busy, cores) from Linux's /proc/stat: the clock ticks all cores spent not idle since boot, a hypervisor's steal counted busy; None where it cannot be read"
+    """(busy, cores) from Linux's /proc/stat: the clock ticks all cores spent running processes not niced, the kernel
+    and, in a VM, other VMs (steal) since boot; None where it cannot be read. Niced work is left out: the scheduler
+    gives it the cores only where the rest leaves them idle (the test command's background compile)"""
     try: lines = Path('/proc/stat').read_text().splitlines()
     except OSError: return None
-    ticks = [int(v) for v in lines[0].split()[1:9]]   # user nice system idle iowait irq softirq steal (guests are in user)
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in lines[0].split()[1:9])   # guests are in user
     cores = sum(1 for l in lines[1:] if l.startswith('cpu') and l[3:4].isdigit())
-    return sum(ticks) - ticks[3] - ticks[4], cores
+    return user + system + irq + softirq + steal, cores
+
+# others' share of the cores above which a timed block measured their load as much as its own work (`clfast demo` says so)
+BUSY_SHARE = 0.2
+# a shorter block is not judged: /proc/stat counts in ticks (10 ms), too coarse to tell a share over fewer
+MIN_BUSY_WINDOW = 0.1
 
 class OthersCpu:
     """What other processes (and, in a VM, other VMs) took of this machine's cores while the `with` block ran: `share`,
-    of all cores' time, or None where unknown (no /proc/stat). A timed block on cores others keep busy measures the
-    scheduler as much as the code: at each parallel region OpenMP's threads wait for one that is not running (the demo's
-    bf16 step in a fresh clone ran 0.08x contiguous fp32 beside a build, 1.89x alone)"""
+    of all cores' time, or None where unknown (no /proc/stat, or a block under `MIN_BUSY_WINDOW`). A timed block on
+    cores others keep busy measures the scheduler as much as the code: at each parallel region OpenMP's threads wait for
+    one that is not running (the demo's bf16 step in a fresh clone ran 0.08x contiguous fp32 beside a build, 1.89x alone)"""
     share: float|None = None
     def __enter__(self):
         self._start = _cpu_ticks(), os.times(), time.perf_counter()
         return self
     def __exit__(self, *exc):
         (ticks0, own0, wall0), ticks1, own1, wall1 = self._start, _cpu_ticks(), os.times(), time.perf_counter()
-        if ticks0 is None or ticks1 is None or wall1 <= wall0: return
+        if ticks0 is None or ticks1 is None or wall1 - wall0 < MIN_BUSY_WINDOW: return
         others = (ticks1[0] - ticks0[0]) / os.sysconf('SC_CLK_TCK') - (own1.user + own1.system - own0.user - own0.system)
         self.share = min(max(others / ((wall1 - wall0) * ticks1[1]), 0.), 1.)

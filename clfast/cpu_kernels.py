@@ -130,24 +130,22 @@ def _sealed(level:str) -> bool:
 
 def _say(msg:str): print(f"clfast: {msg}", file=sys.stderr, flush=True)
 
-# %% ../nbs/22_cpu_kernels.ipynb #aca1e0f6
+# %% ../nbs/22_cpu_kernels.ipynb #990c8bf2
 BACKWARD_WAYS = ('conv', 'gemm', 'fp32')   # what 'timed' can choose per shape (the C++ BackwardWay)
 
-def _rows(t) -> bool: return t.is_contiguous(memory_format=torch.channels_last)   # the C++ `is_rows` of a 4D tensor
-
-def backward_key(dy, x, weight, stride, padding, dilation, groups:int, needs:int) -> str:
-    """The timing cache's key of a conv backward's shape (a way's name follows it): as the C++ library's per-shape key,
-    with ' strided' where x or dy is not dense channels-last (there the GEMM way cannot read them as rows)"""
+def backward_key(x, weight, stride, padding, dilation, groups:int, needs:int, rows:bool) -> str:
+    """The timing cache's key of a conv backward's shape (a way's name follows it): the C++ library's per-shape key,
+    with ' strided' where it found x or dy not dense channels-last (`rows` false: the GEMM way cannot read them)"""
     return (f"conv_backward:x{list(x.shape)} w{list(weight.shape)} stride{list(stride)} pad{list(padding)} "
             f"dil{list(dilation)} groups{groups} {str(x.dtype).removeprefix('torch.')} needs{needs} {torch.get_num_threads()}t"
-            + ('' if _rows(x) and _rows(dy) else ' strided'))
+            + ('' if rows else ' strided'))
 
-def _choose_backward(dy, x, weight, bias, stride, padding, dilation, groups:int, needs:int, ways:list) -> int:
+def _choose_backward(dy, x, weight, bias, stride, padding, dilation, groups:int, needs:int, rows:bool, ways:list) -> int:
     """The way (a `BACKWARD_WAYS` index) a conv backward of this shape and layout runs, asked by the C++ library the
     first time it meets them in 'timed': each candidate way timed against ATen's by `clfast.timing` (once per machine,
     cached); the one chosen with the lowest ratio, else ATen's"""
     from clfast.timing import decide, time_pair
-    shape = backward_key(dy, x, weight, stride, padding, dilation, groups, needs)
+    shape = backward_key(x, weight, stride, padding, dilation, groups, needs, rows)
     def run(way): return lambda: torch.ops.clfast_cpu.conv_backward_as(dy, x, weight, bias, stride, padding, dilation,
                                                                          groups, needs, way)
     best, best_ratio = 0, float('inf')
@@ -166,7 +164,7 @@ def _register_chooser():
     if _chooser is not None: return
     _chooser = torch.library.Library('clfast_timing', 'DEF')
     _chooser.define("choose_backward(Tensor dy, Tensor x, Tensor weight, Tensor? bias, int[] stride, int[] padding, "
-                    "int[] dilation, int groups, int needs, int[] ways) -> int")
+                    "int[] dilation, int groups, int needs, bool rows, int[] ways) -> int")
     _chooser.impl('choose_backward', _choose_backward, 'CPU')
 
 # %% ../nbs/22_cpu_kernels.ipynb #ba3a4e1e

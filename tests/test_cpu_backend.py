@@ -379,7 +379,7 @@ def test_strided_input_of_a_shape_that_chose_gemm(k, gemm_way, tmp_path, monkeyp
     dense, xs = wide[:, cin:].contiguous(memory_format=CL), wide[:, cin:]
     wt = torch.randn(cout, cin, 1, 1).to(bf16)
     dout = torch.randn(n, cout, h, w).to(bf16).to(memory_format=CL)
-    dense_key = cpu_kernels.backward_key(dout, dense, wt, *one, 3)
+    dense_key = cpu_kernels.backward_key(dense, wt, *one, 3, True)
     decide(f"{dense_key} gemm", lambda: Timing(0.5, 10, True, 1e-3))
     decide(f"{dense_key} fp32", lambda: Timing(1.5, 10, False, 1e-3))
     for x in (dense, xs):

@@ -312,10 +312,11 @@ ConvGrads conv_backward_way(const Tensor& dy, const Tensor& x, const Tensor& wei
   if (gemm_fits) ways.push_back(BackwardWay::gemm);
   if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) ways.push_back(BackwardWay::aten_fp32);
   if (ways.size() == 1) return run(BackwardWay::aten);
+  const bool rows = clfast_cpu::is_rows(x) && clfast_cpu::is_rows(dy);
+  const int64_t needs = int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2;
   const ShapeKey key{x.size(0), x.size(1), x.size(2), x.size(3), weight.size(0), weight.size(1), weight.size(2), weight.size(3),
                      g.stride[0], g.stride[1], g.padding[0], g.padding[1], g.dilation[0], g.dilation[1],
-                     int64_t(x.scalar_type()), int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2,
-                     int64_t(at::get_num_threads()), int64_t(clfast_cpu::is_rows(x) && clfast_cpu::is_rows(dy))};
+                     int64_t(x.scalar_type()), needs, int64_t(at::get_num_threads()), int64_t(rows)};
   {
     std::lock_guard<std::mutex> lock(gemm_mutex);
     const auto it = gemm_won.find(key);
@@ -331,11 +332,10 @@ ConvGrads conv_backward_way(const Tensor& dy, const Tensor& x, const Tensor& wei
   if (!chooser.has_value()) return run(BackwardWay::aten);
   std::vector<int64_t> candidates;
   for (const auto w : ways) candidates.push_back(int64_t(w));
-  const int64_t needs = int64_t(nx) | int64_t(nw) << 1 | int64_t(nb) << 2;
   const auto chosen = BackwardWay(
       chooser->typed<int64_t(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, at::IntArrayRef,
-                             at::IntArrayRef, at::IntArrayRef, int64_t, int64_t, at::IntArrayRef)>()
-          .call(dy, x, weight, bias, g.stride, g.padding, g.dilation, g.groups, needs, candidates));
+                             at::IntArrayRef, at::IntArrayRef, int64_t, int64_t, bool, at::IntArrayRef)>()
+          .call(dy, x, weight, bias, g.stride, g.padding, g.dilation, g.groups, needs, rows, candidates));
   {
     std::lock_guard<std::mutex> lock(gemm_mutex);
     gemm_won[key] = chosen;

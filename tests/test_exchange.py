@@ -2,7 +2,7 @@
 exchanges with ranks out of step, every rank falling back together (opted out, no shared file, no room for it), a peer
 that exits or stalls ending the wait (and one in another PID namespace not watched), no file left when a peer dies
 during `open` (and one left by a killed first rank swept by the next), a waiting rank sleeping, ranks giving rows of different shapes all raising"""
-import errno, glob, os, random, shutil, subprocess, sys, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
+import errno, glob, os, random, shutil, subprocess, sys, tempfile, time, pytest, torch, torch.distributed as dist, torch.multiprocessing as mp
 from datetime import timedelta
 from pathlib import Path
 from clfast.exchange import CAPACITY, STORES_IN_ORDER, HostExchange
@@ -11,6 +11,11 @@ pytestmark = pytest.mark.skipif(not STORES_IN_ORDER,
                                 reason="the shared-memory exchange is used on x86-64 only")
 
 def _spawn(fn, n, *args): mp.start_processes(fn, args=(n, *args), nprocs=n, join=True, start_method='spawn')
+
+@pytest.fixture(autouse=True)
+def _error_files_kept_here(tmp_path, monkeypatch):
+    "torch.multiprocessing keeps a failed process's error file (pytorch-errorfile-*.pickle): in the test's folder, not /tmp"
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
 
 def _init(rank, n, init, timeout=60):
     dist.init_process_group('gloo', init_method=f'file://{init}', rank=rank, world_size=n,

@@ -15,7 +15,7 @@ except ImportError: fcntl = None
 __all__ = ['CPU_LEVELS', 'LEVEL_FLAGS', 'ISA_CAP_ENV', 'ISA_ORDER', 'ISA_ENV', 'LOCK_WAIT', 'STEADY_HEAP', 'BUSY_SHARE',
            'MIN_BUSY_WINDOW', 'cpu_name', 'cpu_id', 'cpu_flags', 'CpuIsaError', 'is_x86', 'host_isa', 'clfast_isa',
            'isa_env', 'onednn_isa', 'cpu_isa', 'machine_key', 'cache_dir', 'MachineCache', 'keep_heap_steady',
-           'OthersCpu']
+           'OthersCpu', 'pid_namespace', 'process_alive', 'this_process', 'still_running']
 
 # %% ../nbs/04_machine.ipynb #281bc869
 def _cpuinfo() -> dict:
@@ -296,3 +296,40 @@ class OthersCpu:
         if ticks0 is None or ticks1 is None or wall1 - wall0 < MIN_BUSY_WINDOW: return
         others = (ticks1[0] - ticks0[0]) / os.sysconf('SC_CLK_TCK') - (own1.user + own1.system - own0.user - own0.system)
         self.share = min(max(others / ((wall1 - wall0) * ticks1[1]), 0.), 1.)
+
+# %% ../nbs/04_machine.ipynb #4d4829c0
+def pid_namespace() -> tuple[int, int]|None:
+    "This process's PID namespace (Linux: `/proc/self/ns/pid`'s device and inode); None where it cannot be read"
+    try: st = os.stat('/proc/self/ns/pid')
+    except OSError: return None
+    return st.st_dev, st.st_ino
+
+def _proc_stat(pid:int) -> list[str]|None:
+    "Process `pid`'s /proc/<pid>/stat fields from its state on (after its name, which may hold spaces); None where unread"
+    try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()
+    except (OSError, IndexError): return None
+
+def process_alive(pid:int) -> bool:
+    "Whether process `pid` runs: a dead one whose parent has not collected it yet (a zombie) counts as dead"
+    try: os.kill(pid, 0)   # succeeds on a zombie too (a launcher that waits on rank 0 first leaves a dead rank 1 so)
+    except ProcessLookupError: return False
+    except PermissionError: pass   # another user's process: alive
+    fields = _proc_stat(pid)
+    return fields is None or fields[0] not in ('Z', 'X')   # no /proc (macOS, Windows): as kill says; else not a zombie
+
+def this_process() -> str|None:
+    """This process, told apart from every other that ran or runs on the machine: its PID namespace, pid and start time
+    (clock ticks after boot: a pid is reused); None where Linux's /proc cannot say"""
+    ns, fields = pid_namespace(), _proc_stat(os.getpid())
+    if ns is None or fields is None: return None
+    return f"{ns[0]:x}.{ns[1]:x}:{os.getpid()}:{fields[19]}"   # (stat's 22nd field)
+
+def still_running(process:str) -> bool:
+    """Whether `process` (another's `this_process()`) runs; True where this process cannot tell (it is in another PID
+    namespace, a container sharing the cache dir, where its pid means another process), False for a malformed name"""
+    ns, mine = process.split(':')[0], pid_namespace()
+    if mine is None or ns != f"{mine[0]:x}.{mine[1]:x}": return True
+    try: _, pid, start = process.split(':'); pid = int(pid)
+    except ValueError: return False
+    fields = _proc_stat(pid)
+    return process_alive(pid) and fields is not None and fields[19] == start

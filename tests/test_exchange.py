@@ -154,14 +154,15 @@ def _open_worker(rank, n, init, shared):
 def test_a_file_left_by_a_killed_first_rank_is_swept(tmp_path):
     """A killed first rank leaves its file; the next `open` on the host removes it, and leaves alone the files of live
     makers (this process) and of other PID namespaces (another container's pid means nothing here)"""
-    from clfast.exchange import _file_prefix, _pid_namespace
-    if _pid_namespace() is None: pytest.skip("no /proc/self/ns/pid: makers cannot be told alive")
+    from clfast.exchange import _file_prefix
+    from clfast.machine import pid_namespace
+    if pid_namespace() is None: pytest.skip("no /proc/self/ns/pid: makers cannot be told alive")
     shared = tmp_path/'shm'; shared.mkdir()
     with pytest.raises(mp.ProcessExitedException, match='SIGKILL'): _spawn(_killed_worker, 1, str(tmp_path/'init0'), str(shared))
     left = os.listdir(shared)
-    assert len(left) == 1 and left[0].startswith(_file_prefix(_pid_namespace()))
-    live = shared/f'{_file_prefix(_pid_namespace())}{os.getpid()}-x'
-    foreign = shared/f'{_file_prefix((1, 2))}{left[0][len(_file_prefix(_pid_namespace())):]}'   # the dead pid, elsewhere
+    assert len(left) == 1 and left[0].startswith(_file_prefix(pid_namespace()))
+    live = shared/f'{_file_prefix(pid_namespace())}{os.getpid()}-x'
+    foreign = shared/f'{_file_prefix((1, 2))}{left[0][len(_file_prefix(pid_namespace())):]}'   # the dead pid, elsewhere
     live.touch(); foreign.touch()
     _spawn(_open_worker, 1, str(tmp_path/'init1'), str(shared))
     assert sorted(os.listdir(shared)) == sorted([live.name, foreign.name])
@@ -184,8 +185,9 @@ def test_a_waiting_rank_sleeps(tmp_path):
 
 def test_peers_in_other_pid_namespaces_are_not_watched():
     "A pid from another PID namespace (a container sharing /dev/shm) means nothing here: pid 1 is this namespace's init"
-    from clfast.exchange import _pid_namespace, _watchable
-    mine = _pid_namespace()
+    from clfast.exchange import _watchable
+    from clfast.machine import pid_namespace
+    mine = pid_namespace()
     if mine is None: pytest.skip("no /proc/self/ns/pid")
     other = (mine[0], mine[1] + 1)
     assert _watchable([os.getpid(), os.getppid()], [mine, mine], mine)
@@ -197,7 +199,7 @@ def _pidns_worker(rank, n, init):
     import clfast.exchange as ex
     if rank == 1:   # as if in another container: another namespace (its pid would be one of that namespace's)
         st = os.stat('/proc/self/ns/pid')
-        ex._pid_namespace = lambda: (st.st_dev, st.st_ino + 1)
+        ex.pid_namespace = lambda: (st.st_dev, st.st_ino + 1)
     _init(rank, n, init, timeout=3)
     e = HostExchange.open(dist.group.WORLD)
     assert e is not None and not e.watch   # no rank watches a pid from another namespace

@@ -373,7 +373,7 @@ def test_rank_killed_mid_step_ends_rank0_with_error(tmp_path, sync_bn):
 
 def test_rank_killed_mid_step_unreaped(tmp_path):
     """As `test_rank_killed_mid_step_ends_rank0_with_error` (sync_bn), with a launcher that waits on rank 0 before rank 1
-    (so the killed rank 1 stays a zombie meanwhile): rank 0 must still say at once that rank 1 is gone (`_alive` took a
+    (so the killed rank 1 stays a zombie meanwhile): rank 0 must still say at once that rank 1 is gone (`process_alive` took a
     zombie for alive, and rank 0 waited out the group's timeout, then blamed the model). A short group timeout bounds
     the run: past it, rank 0's error is the timeout's, which this test rejects"""
     (rc0, rc1), (_, pid1), info, log = _killed_ranks(tmp_path, True, reap=False, timeout_s=10, bound=60)

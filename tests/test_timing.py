@@ -56,6 +56,7 @@ def test_give_up_ends_a_hopeless_candidate_at_once():
 _CHILD = textwrap.dedent('''
     import sys, time
     from clfast import timing
+    timing.BUSY_TRIES = 1   # kept whatever load the machine has meanwhile: decisions timed under load are tested apart
     def measure():
         open(sys.argv[2], 'a').write(sys.argv[1] + ' start %f\\n' % time.time()); time.sleep(1.0)
         open(sys.argv[2], 'a').write(sys.argv[1] + ' end %f\\n' % time.time())
@@ -117,6 +118,7 @@ _BACKWARD_CHILD = textwrap.dedent('''
     import sys, torch
     from clfast import cpu_kernels, timing
     if sys.argv[1] == 'again': timing.time_pair = lambda *a, **k: sys.exit('timed again')   # a second process reads the cache
+    timing.BUSY_TRIES = 1   # kept whatever load the machine has meanwhile: decisions timed under load are tested apart
     cpu_kernels.load(); cpu_kernels.set_gemm_backward('timed')
     x = torch.randn(3, 20, 5, 7).to(memory_format=torch.channels_last)   # as a backward sees them: no grad recorded
     w = torch.randn(12, 20, 1, 1).to(memory_format=torch.channels_last)
@@ -158,6 +160,81 @@ def test_a_decision_is_this_processs_at_the_thread_count_it_runs_now(tmp_path, m
             answers.append(premise('test_threads', probe))
     finally: torch.set_num_threads(threads)
     assert answers == [False, True, False, True] and probed == [4, 1]
+
+# a decision timed beside a busy loop on each core (the machine's others' load), then held until told to end
+_LOADED_CHILD = textwrap.dedent('''
+    import os, subprocess, sys, time
+    from clfast import timing
+    def measure():
+        hogs = [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ in range(os.cpu_count())]
+        try: time.sleep(1.0)
+        finally:
+            for h in hogs: h.kill(); h.wait()
+        return timing.Timing(0.5, 6, True, 1e-3)
+    print(timing.decide('test:loaded', measure).chosen, flush=True)
+    sys.stdin.readline()
+''')
+
+def test_a_decision_timed_under_load_is_timed_again_once_its_process_ended(tmp_path, monkeypatch):
+    """A decision measured while other processes kept the cores busy is marked so; processes running beside the one
+    that measured it read its answer (ranks started together share one), and the first process to ask after it ended
+    measures again (its answer, not the loaded one's)"""
+    from clfast.machine import this_process
+    if this_process() is None: pytest.skip("no /proc: no process can tell whether another runs")
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {})
+    child = subprocess.Popen([sys.executable, '-c', _LOADED_CHILD], env=dict(os.environ), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try: assert child.stdout.readline().strip() == 'True'
+    finally: child.stdin.close()   # (the child ends at once where the assertion failed)
+    entry = timing._TimingCache(timing.TIMINGS).get('test:loaded')
+    assert entry['busy'] > timing.BUSY_SHARE and entry['tries'] == 1, entry
+    child.wait(timeout=60)
+    measured = []
+    def measure():
+        measured.append(1)
+        return Timing(2., 6, False, 1e-3)
+    t = decide('test:loaded', measure)
+    assert measured == [1] and not t.chosen   # measured again: the loaded answer was True
+    entry = timing._TimingCache(timing.TIMINGS).get('test:loaded')
+    assert 'by' not in entry or entry['tries'] == 2, entry   # quiet here: kept for good; loaded again: counted
+
+def test_a_running_processs_loaded_decision_is_shared(tmp_path, monkeypatch):
+    "While the process that measured a decision under load runs, another reads its answer rather than measuring again"
+    from clfast.machine import this_process
+    if this_process() is None: pytest.skip("no /proc: no process can tell whether another runs")
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {})
+    child = subprocess.Popen([sys.executable, '-c', _LOADED_CHILD], env=dict(os.environ), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == 'True'
+        assert 'by' in timing._TimingCache(timing.TIMINGS).get('test:loaded')
+        assert decide('test:loaded', lambda: pytest.fail('measured while its measurer runs')).chosen
+    finally: child.stdin.close(); child.wait(timeout=60)
+
+def test_the_last_measurement_under_load_is_kept(tmp_path, monkeypatch):
+    """After `BUSY_TRIES` measurements under load the last is kept for good: a machine always that busy is the machine.
+    Here a decision measured under load twice by processes that ended (a pid's earlier process: another start time) is
+    measured a third time under load, and kept"""
+    from clfast.machine import this_process
+    me = this_process()
+    if me is None: pytest.skip("no /proc: no process can tell whether another runs")
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {})
+    ns, pid, start = me.split(':')
+    ended = f"{ns}:{pid}:{int(start) - 1}"
+    cache = timing._TimingCache(timing.TIMINGS)
+    cache.update({'test:busy': dict(ratio=0.5, pairs=6, faster=True, default_s=1e-3, busy=0.9, by=ended,
+                                    tries=timing.BUSY_TRIES - 1)})
+    def measure():
+        hogs = [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ in range(os.cpu_count())]
+        try: time.sleep(1.0)
+        finally:
+            for h in hogs: h.kill(); h.wait()
+        return Timing(2., 6, False, 1e-3)
+    assert not decide('test:busy', measure).chosen
+    assert cache.get('test:busy') == dict(ratio=2., pairs=6, faster=False, default_s=1e-3)
 
 def test_an_unwritable_cache_still_decides(tmp_path, monkeypatch):
     "No writable cache directory: the decision is measured and kept for this process; nothing raises"

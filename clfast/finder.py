@@ -223,7 +223,7 @@ class _Lockstep:
         if not self.on: return err
         return next((f"rank {r}: {e}" for r, e in enumerate(self.gather(err)) if e), None)
 
-# %% ../nbs/30_finder.ipynb #2c3e3202
+# %% ../nbs/30_finder.ipynb #ffa81dc1
 def _grad_drift(grads:dict, base:dict) -> float:
     "Largest relative L2 difference of a parameter's gradient from the baseline's (the same weights and batch)"
     if not base: return math.nan
@@ -327,7 +327,9 @@ def measure_setups(model:nn.Module, batches:list, loss_func, make_opt, setups:li
     if not has_conv(model): raise ValueError("the model has no 2D or 3D convolution: channels-last, fusion and their "
                                              "precisions change nothing for it, so there is nothing to find.")
     if not batches: raise ValueError("measure_setups: no batches to measure on (`batches` is empty)")
-    if not any(is_image_tensor(t) for t in batches[0][0]):
+    # a grayscale batch (N x 1 x H x W, `is_ambiguous`) counts: its own layout is one in both formats, but the model's
+    # activations after its first conv are not, and there channels-last and fusion act (`to_channelslast()` trains it)
+    if not any(isinstance(t, Tensor) and t.is_floating_point() and cl_format(t) is not None for t in batches[0][0]):
         raise ValueError("the batches hold no 4D/5D floating-point image tensor: the format finder measures image models.")
     device = torch.device(device or next(model.parameters()).device)
     setups = list(setups or default_setups(device))

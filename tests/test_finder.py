@@ -134,6 +134,17 @@ def test_bad_input_clear_message_nothing_changed():
         with pytest.raises(ValueError, match=re.escape(msg)): Setup(**kw)
     assert not hasattr(learn, 'channels_last')
 
+def test_grayscale_image_model_is_measured_and_set_up():
+    """One-channel images (N x 1 x H x W: a layout that is the same in both formats) are image batches: the model's
+    activations after its first conv are not, and `to_channelslast()` trains them. `format_find` and `auto=True` refused
+    them ("the batches hold no 4D/5D floating-point image tensor"), for any grayscale model"""
+    learn = Learner(image_dls(n=96, c=1), conv_net(c=1), loss_func=CrossEntropyLossFlat(), opt_func=Adam)
+    df = learn.format_find(setups=[BASELINE, Setup(), Setup(fuse='speed')], n_batches=2, show_plot=False, budget=None)
+    assert (df.error == '').all() and (df.steps == 2).all()
+    assert (df.grad_error <= np.maximum(finder.NUMERICS_SLACK * df.stock_grad_error, finder.FP32_FLOOR)).all()
+    learn.to_channelslast(auto=True)
+    _fit(learn)
+
 def test_best_setup_judges_by_numerics_against_fp64():
     """A setup is accepted when its gradients are within 3x as close to fp64 as its precision's stock setup's: bf16
     far from fp32 (grad_drift 1.4) but as close to fp64 as stock bf16 is accepted; an fp32 setup 10x off is not"""

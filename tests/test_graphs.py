@@ -122,13 +122,36 @@ def test_a_copy_or_pickle_of_a_graphed_model_gets_its_own_forward():
 
 def test_a_modules_mode_is_part_of_what_a_graph_depends_on():
     "A module switched to eval (or back) during a fit changes what a captured graph would run: a replay then captures again"
-    from clfast.graphs import _tensors_at
+    from clfast.graphs import _depends_on, _changed
     m = conv_net().train()
-    at = _tensors_at(m)
+    at = _depends_on(m)
     m[0][1].eval()
-    assert _tensors_at(m) != at
+    assert _changed(at, _depends_on(m))
     m[0][1].train()
-    assert _tensors_at(m) == at
+    assert not _changed(at, _depends_on(m))
+
+@pytest.mark.parametrize('fuse', [False, 'speed'])
+def test_a_fastai_step_changes_nothing_a_graph_depends_on(fuse):
+    """A graph is captured again whenever what it depends on changes (`_depends_on`: module attributes by identity
+    among it): fastai's training steps of a fused or stock timm model, with a scheduler, must change none of it, or
+    every replay would capture again. And a hook registered meanwhile is a change (the capture then refuses it)"""
+    import timm
+    from clfast.graphs import _depends_on, _changed
+    learn = Learner(image_dls(n=48, bs=8), timm.create_model('resnet18', num_classes=2, drop_path_rate=0.1),
+                    loss_func=CrossEntropyLossFlat(), opt_func=Adam).to_channelslast(fuse=fuse)
+    changes = []
+    class Watch(Callback):
+        order = 100
+        def before_fit(self): self.then = None
+        def after_step(self):
+            now = _depends_on(self.model)
+            if self.then is not None: changes.append(_changed(self.then, now))
+            self.then = now
+    with learn.no_logging(), learn.no_bar(): learn.fit_one_cycle(1, cbs=[Watch()])
+    assert len(changes) >= 3 and not any(changes)
+    then = _depends_on(learn.model)
+    learn.model.layer1[0].conv1.register_forward_hook(lambda *a: None)
+    assert _changed(then, _depends_on(learn.model))
 
 def test_finder_graphed_setup_on_cpu_is_a_failed_row():
     "A graphed setup on a CPU model: its row says why, the others are measured"
@@ -363,6 +386,40 @@ def test_fastais_cancels_keep_the_graphs_and_a_short_last_batch_is_never_steady(
     assert not [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
     assert [i for e, i in installed if e > 0] and all(i for e, i in installed)
     assert learn.cuda_graphs.captured == 1 and learn.cuda_graphs.retried == []
+
+@pytest.mark.cuda
+def test_a_setting_changed_after_the_capture_is_replayed_as_set():
+    """A BN's momentum set mid-fit, after the capture (a schedule's): the graphed fit's running statistics are the eager
+    fit's with the same change (a replay of the old capture would have kept the old momentum)"""
+    runs = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        learn = _cuda_learner().to_channelslast(use_amp=False, graphs=graphs)
+        class Momentum(Callback):
+            order = 20
+            def before_batch(self):
+                if self.training and self.epoch == 1 and self.iter == 2: self.model[0][1].momentum = 0.9
+        _fit(learn, Momentum(), epochs=2)
+        if graphs: assert learn.cuda_graphs.captured >= 1 and learn.cuda_graphs.why is None
+        bn = learn.model[0][1]
+        runs.append((bn.running_mean.clone(), bn.running_var.clone()))
+    (m0, v0), (m1, v1) = runs
+    assert torch.allclose(m0, m1, rtol=1e-4, atol=1e-5) and torch.allclose(v0, v1, rtol=1e-4, atol=1e-5)
+
+@pytest.mark.cuda
+def test_a_setting_changed_at_every_step_stops_graphs_and_is_named():
+    "An attribute set anew at each step (each change a new capture): the graphs stop, naming it, and the fit trains eagerly"
+    learn = _cuda_learner().to_channelslast(use_amp=False, graphs=True)
+    class Jitter(Callback):
+        order = 20
+        def before_batch(self):
+            if self.training: self.model[0][1].momentum = 0.1 + 1e-3 * self.iter
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        _fit(learn, Jitter(), epochs=4)
+    said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+    assert len(said) == 1 and '`0.1.momentum` changed after the capture' in said[0], said
+    assert all(math.isfinite(l) for l in learn.recorder.losses)
 
 @pytest.mark.cuda
 def test_a_hook_added_during_the_fit_is_seen_at_the_capture():

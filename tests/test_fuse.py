@@ -377,3 +377,17 @@ def test_a_guarded_model_fuses_as_a_stock_one(name):
         m.train(train); ref.train(train)
         with torch.no_grad(): torch.testing.assert_close(m(x).double(), ref.double()(x.double()), rtol=1e-3, atol=1e-4)
         ref.float()
+
+def test_tracing_runs_no_user_hooks():
+    """The surgery's torch.fx trace runs no hook of the model: a hook on a module traced through was called with fx
+    Proxies, and one that keeps what it sees (a feature or activation collector) kept a Proxy in the user's state"""
+    seen = []
+    body = nn.Sequential(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()), nn.Conv2d(8, 4, 1))
+    ref = copy.deepcopy(body)
+    body[0].register_forward_pre_hook(lambda m, i: seen.append(('pre', type(i[0]).__name__)))
+    body[0].register_forward_hook(lambda m, i, o: seen.append(('post', type(o).__name__)))
+    fuse_conv_bn(body)
+    assert fusion_report(body).fused == [('0.0', 'conv-bn-relu')] and seen == []
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(body(x), ref(x), rtol=1e-4, atol=1e-5)
+    assert seen == [('pre', 'Tensor'), ('post', 'Tensor')]   # a real call runs them (the chain then unfused: hooked)

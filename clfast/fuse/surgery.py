@@ -232,6 +232,11 @@ class _Tracer(fx.Tracer):
     def is_leaf_module(self, m, qualname):
         return (isinstance(m, (nn.Conv2d, _BatchNorm, _FusedMixin)) or _conv_kind(m) is not None or act_of(m) is not None
                 or self.fuser.is_block(m) or super().is_leaf_module(m, qualname))
+    def call_module(self, m, forward, args, kwargs):
+        # a module traced through runs its own forward, not its hooks (`forward` is `m.__call__`'s): a hook called here
+        # would see fx Proxies and could keep them, in the user's model (timm's FeatureHookNet stored one in its feature
+        # dict, and the fused model no longer pickled). Leaves are not run at all; hooks there are `runs_unfused`'s
+        return super().call_module(m, m.forward, args, kwargs)
 
 # %% ../../nbs/24d_fuse_surgery.ipynb #06d76994
 def is_fused(model:nn.Module) -> bool:

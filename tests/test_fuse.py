@@ -388,6 +388,20 @@ def test_tracing_runs_no_user_hooks():
     body[0].register_forward_hook(lambda m, i, o: seen.append(('post', type(o).__name__)))
     fuse_conv_bn(body)
     assert fusion_report(body).fused == [('0.0', 'conv-bn-relu')] and seen == []
-    x = torch.randn(2, 3, 8, 8)
-    torch.testing.assert_close(body(x), ref(x), rtol=1e-4, atol=1e-5)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(body.double()(x), ref.double()(x), rtol=1e-12, atol=1e-12)
     assert seen == [('pre', 'Tensor'), ('post', 'Tensor')]   # a real call runs them (the chain then unfused: hooked)
+
+def test_a_forward_that_changes_state_while_traced_leaves_the_model_as_it_was():
+    """A forward that writes to its module's state when traced (timm's `FeatureHookNet` keys a dict by its input's
+    device) is traced on a copy: the fused model holds no fx Proxy and pickles (it raised "cannot pickle 'module'
+    object"), and computes the stock model's features (fp64, both fused)"""
+    m = timm.create_model('resnet18', features_only=True, feature_cls='hook', pretrained=False)
+    ref = copy.deepcopy(m).double()
+    fuse_conv_bn(m)
+    assert is_fused(m) and not any('Proxy' in type(k).__name__ or 'Attribute' in type(k).__name__
+                                   for k in m.hooks._feature_outputs)
+    loaded = pickle.loads(pickle.dumps(m))
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    for got in (m.double()(x), loaded.double()(x)):
+        for a, b in zip(got, ref(x)): torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

@@ -7,7 +7,8 @@ def _tv(fn, **kw): return lambda: fn(weights=None, num_classes=10, **kw)
 
 # name -> (constructor, input size). Families: EfficientNet b0/lite0/v2 (+TF 'same' padding), MobileNetV2/V3 (timm and
 # torchvision), MixNet (MixedConv2d), RegNetX/Y, CSPResNet/CSPDarkNet, DLA, HRNet, Inception-v3, ResNet/ResNet-D/
-# ResNeXt/SE-ResNet, DenseNet, RepVGG, DPN, TResNet, FBNet, SPNASNet, GhostNet, MnasNet, ShuffleNet, ...
+# ResNeXt/SE-ResNet, DenseNet, RepVGG, DPN, TResNet, FBNet, SPNASNet, GhostNet, MnasNet, ShuffleNet, ResNetV2, LeViT,
+# ResNeSt, MobileViT, MobileNetV4, ...
 ZOO = {
     'efficientnet_b0': (_timm('efficientnet_b0'), 64),
     'efficientnet_lite0': (_timm('efficientnet_lite0'), 64),
@@ -48,4 +49,12 @@ ZOO = {
     'gernet_s': (_timm('gernet_s'), 64),
     'ese_vovnet19b_dw': (_timm('ese_vovnet19b_dw'), 64),
     'tv_googlenet': (_tv(tvm.googlenet, aux_logits=False, init_weights=False), 64),
+    # from a sweep of 63 more models (BENCHMARKS.md, session 45): pre-activation (each conv fuses with the next
+    # block's norm, never its own block's), attention with BN, split attention, conv + transformer, universal inverted
+    # residuals
+    'resnetv2_18d': (_timm('resnetv2_18d'), 64),
+    'levit_conv_128s': (_timm('levit_conv_128s', img_size=64), 64),
+    'resnest14d': (_timm('resnest14d'), 64),
+    'mobilevit_xxs': (_timm('mobilevit_xxs'), 64),
+    'mobilenetv4_conv_small': (_timm('mobilenetv4_conv_small'), 64),
 }

@@ -297,7 +297,7 @@ class OthersCpu:
         others = (ticks1[0] - ticks0[0]) / os.sysconf('SC_CLK_TCK') - (own1.user + own1.system - own0.user - own0.system)
         self.share = min(max(others / ((wall1 - wall0) * ticks1[1]), 0.), 1.)
 
-# %% ../nbs/04_machine.ipynb #4d4829c0
+# %% ../nbs/04_machine.ipynb #83373518
 def pid_namespace() -> tuple[int, int]|None:
     "This process's PID namespace (Linux: `/proc/self/ns/pid`'s device and inode); None where it cannot be read"
     try: st = os.stat('/proc/self/ns/pid')
@@ -327,9 +327,9 @@ def this_process() -> str|None:
 def still_running(process:str) -> bool:
     """Whether `process` (another's `this_process()`) runs; True where this process cannot tell (it is in another PID
     namespace, a container sharing the cache dir, where its pid means another process), False for a malformed name"""
-    ns, mine = process.split(':')[0], pid_namespace()
+    try: ns, pid, start = process.split(':'); pid = int(pid)
+    except (AttributeError, ValueError): return False
+    mine = pid_namespace()
     if mine is None or ns != f"{mine[0]:x}.{mine[1]:x}": return True
-    try: _, pid, start = process.split(':'); pid = int(pid)
-    except ValueError: return False
     fields = _proc_stat(pid)
     return process_alive(pid) and fields is not None and fields[19] == start

@@ -44,7 +44,7 @@ def not_graphable(model:nn.Module) -> str|None:
     if any(b.requires_grad for b in model.buffers()): return "a buffer requires grad"
     return None
 
-# %% ../nbs/29_graphs.ipynb #ebf79254
+# %% ../nbs/29_graphs.ipynb #7b62cf2e
 def _depends_on(model:nn.Module) -> tuple[tuple, list]:
     """What a captured graph depends on: each module's training mode and hook counts, where its parameters and buffers
     are and which parameters train; and each module's attributes, its settings among them (a BN's momentum and eps, an
@@ -67,13 +67,13 @@ def _changed(then:tuple, now:tuple) -> bool:
     return at0 != at1 or len(attrs0) != len(attrs1) or not all(map(operator.is_, attrs0, attrs1))
 
 def _what_changed(model:nn.Module, then:tuple) -> str:
-    "The first of `model`'s module attributes (as `module.name`) that is not what `then` (`_depends_on`) read"
+    "What of `model` is not what `then` (`_depends_on`) read: the first module attribute (as `module.name`) that is not"
     attrs, i = then[1], 0
     for name, mod in model.named_modules():
         for k, v in mod.__dict__.items():
             if i >= len(attrs) or attrs[i] is not v: return f"`{name + '.' if name else ''}{k}`"
             i += 1
-    return "a module's attribute (removed)"
+    return "a module's attribute" if i != len(attrs) else "where a parameter or buffer is, which parameters train, or a hook count"
 
 @functools.cache   # one side stream per device for every capture: cuBLAS keeps a workspace per stream, for good
 def _capture_stream(device:torch.device) -> torch.cuda.Stream: return torch.cuda.Stream(device)

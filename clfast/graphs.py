@@ -44,7 +44,7 @@ def not_graphable(model:nn.Module) -> str|None:
     if any(b.requires_grad for b in model.buffers()): return "a buffer requires grad"
     return None
 
-# %% ../nbs/29_graphs.ipynb #7b62cf2e
+# %% ../nbs/29_graphs.ipynb #07a9889c
 def _depends_on(model:nn.Module) -> tuple[tuple, list]:
     """What a captured graph depends on: each module's training mode and hook counts, where its parameters and buffers
     are and which parameters train; and each module's attributes, its settings among them (a BN's momentum and eps, an
@@ -73,7 +73,8 @@ def _what_changed(model:nn.Module, then:tuple) -> str:
         for k, v in mod.__dict__.items():
             if i >= len(attrs) or attrs[i] is not v: return f"`{name + '.' if name else ''}{k}`"
             i += 1
-    return "a module's attribute" if i != len(attrs) else "where a parameter or buffer is, which parameters train, or a hook count"
+    if i != len(attrs): return "a module's attribute"
+    return "where a parameter or buffer is, which parameters train, or a hook count"
 
 @functools.cache   # one side stream per device for every capture: cuBLAS keeps a workspace per stream, for good
 def _capture_stream(device:torch.device) -> torch.cuda.Stream: return torch.cuda.Stream(device)

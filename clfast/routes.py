@@ -20,8 +20,8 @@ __all__ = ['SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'SLOW_BF16_BACKWARD', 
            'premise', 'forget_premises', 'MeasuredKernel', 'weight_grad_in_nchw', 'short_input_slower',
            'may_meet_short_input', 'short_input_plan', 'reduced_backward_slower', 'may_meet_slow_backward',
            'slow_backward_conv', 'is_pointwise', 'on_pointwise_maps', 'pointwise_product', 'pointwise_maps_slower',
-           'may_meet_slow_pointwise', 'takes_pointwise_product', 'guarded_conv', 'GuardedConv2d', 'call_plan',
-           'short_input_route']
+           'may_meet_slow_pointwise', 'takes_pointwise_product', 'effective_dilation', 'guarded_conv', 'GuardedConv2d',
+           'call_plan', 'short_input_route']
 
 # %% ../nbs/04c_routes.ipynb #1b8c85af
 def premise(name:str, probe:Callable[[], Timing|bool]) -> bool:
@@ -243,10 +243,25 @@ def takes_pointwise_product(conv:nn.Module, x:Tensor) -> bool:
     alike: a CPU input of 1x1 maps, where the conv measured slower here (not while compiling: inductor decides)"""
     return on_pointwise_maps(conv, x) and not torch.compiler.is_compiling() and SLOW_POINTWISE_MAPS.present()
 
-# %% ../nbs/04c_routes.ipynb #6de1b5b3
+# %% ../nbs/04c_routes.ipynb #466a2720
+def effective_dilation(conv:nn.Conv2d) -> tuple:
+    """`conv`'s dilation with 1 along a kernel dimension of size 1, where a dilation changes nothing. torch 2.14's CPU
+    conv of a channels-last input with a bias crashed the process (segfault) on some such geometries: a 1x1 kernel,
+    dilation (1, 3), stride 3, padding 1 on a 13x8x2 input (found by a seeded fuzz of the fused layer); with dilation
+    1 there it is the same conv, and runs"""
+    d = tuple(conv.dilation)
+    return d if d == (1, 1) else tuple(1 if k == 1 else dd for dd, k in zip(d, conv.kernel_size))
+
+def _stock_conv(conv:nn.Conv2d, x:Tensor, w:Tensor, b:Tensor|None) -> Tensor:
+    "`conv`'s own conv (`nn.Conv2d._conv_forward`), with its `effective_dilation` where that differs (zero padding)"
+    if conv.dilation == (1, 1) or conv.padding_mode != 'zeros': return nn.Conv2d._conv_forward(conv, x, w, b)
+    d = effective_dilation(conv)
+    if d == tuple(conv.dilation): return nn.Conv2d._conv_forward(conv, x, w, b)
+    return F.conv2d(x, w, b, conv.stride, conv.padding, d, conv.groups)
+
 def guarded_conv(conv:nn.Conv2d, input:Tensor, weight:Tensor, bias:Tensor|None) -> Tensor:
     "`conv`'s stock conv of `input`, run as its plan says (`call_plan`): a `GuardedConv2d`'s, and a fused layer's stock way"
-    stock = lambda x, w, b: nn.Conv2d._conv_forward(conv, x, w, b)
+    stock = lambda x, w, b: _stock_conv(conv, x, w, b)
     # torch.fx's symbolic trace (a Proxy: `create_feature_extractor`) records the stock conv: a plan and a route are
     # chosen per call from the input's sizes and layout, which a Proxy does not have
     if type(input) is not Tensor and isinstance(input, Proxy): return stock(input, weight, bias)
@@ -260,7 +275,7 @@ def guarded_conv(conv:nn.Conv2d, input:Tensor, weight:Tensor, bias:Tensor|None) 
         return weight_grad_in_nchw(conv, input, weight, bias)
     r = route(plan, input, weight, conv.stride)
     if r.stride == conv.stride: return r.restore(stock(r.x, r.weight, bias))
-    return r.restore(F.conv2d(r.x, r.weight, bias, r.stride, 0, conv.dilation, conv.groups))   # subsampled
+    return r.restore(F.conv2d(r.x, r.weight, bias, r.stride, 0, effective_dilation(conv), conv.groups))   # subsampled
 
 class GuardedConv2d(AsStock, nn.Conv2d):
     "A stock `nn.Conv2d` whose conv runs as its plan says (`guarded_conv`); pickles as `nn.Conv2d`, without the plan"

@@ -536,3 +536,43 @@ def test_a_graphs_steps_choose_their_layers_by_the_gpus_time(tmp_path, monkeypat
         layer(x)   # an eager step: timed again, by the host's and the GPU's time together, under its own key
         assert set(fused_mod._ways) == {key, eager} and len(clocks) == 1
     assert not fused_mod._for_graphs
+
+# found by a seeded fuzz of the layer: torch 2.14's CPU conv of a channels-last input with a bias crashed the process
+# (segfault) on a 1x1 kernel dilated (1, 3) at stride 3, padding 1, on 8x2 maps (every output column reads only
+# padding: a degenerate conv, but a crash, in the fused op and in its stock way). The dilation changes nothing along a
+# size-1 kernel dimension, so clfast runs that conv undilated there. A child process: before the fix the crash took
+# the interpreter with it. Each output channel is one value (its bias): a degenerate BN, whose fp32 error is
+# stock's own (3x stock contiguous fp32's, absolute)
+_DILATED_1X1 = """
+import torch, copy
+from torch import nn
+from clfast.fused import FusedConvBN2d, set_layer_way
+set_layer_way({way!r})
+torch.manual_seed(0)
+f = FusedConvBN2d(13, 5, 1, stride=3, padding=1, dilation=(1, 3), bias=True, act='silu', mode={mode!r})
+stock = nn.Sequential(nn.Conv2d(13, 5, 1, 3, 1, (1, 3), bias=True), nn.BatchNorm2d(5), nn.SiLU())
+stock[0].load_state_dict({{k: v for k, v in f.state_dict().items() if not k.startswith('bn.')}}); stock[1].load_state_dict(f.bn.state_dict())
+ref = copy.deepcopy(stock).double()
+x = torch.randn(3, 13, 8, 2, dtype=torch.float64)
+def step(m, x, conv, bn):
+    x = x.requires_grad_()
+    out = m(x); out.sum().backward()
+    # (not the conv bias's gradient: over a channel of one value it is 1/sqrt(eps) times y's rounding, and stock
+    # channels-last fp32 is further off than the fused layer there: 9e-4 against 1.7e-4)
+    return [out, x.grad, conv.weight.grad, bn.running_mean, bn.running_var]
+want = step(ref, x.clone(), ref[0], ref[1])
+got = step(f, x.float().contiguous(memory_format=torch.channels_last), f, f.bn)
+base = step(stock, x.float(), stock[0], stock[1])   # stock contiguous fp32: the precision's error
+err = lambda ts: max((a.double() - b).abs().max().item() for a, b in zip(ts, want))
+print('ERR', err(got), err(base))
+"""
+
+@needs_cxx
+@pytest.mark.parametrize('way,mode', [('fused', 'speed'), ('fused', 'memory'), ('stock', 'speed')])
+def test_dilation_on_a_size_one_kernel_dimension(way, mode, tmp_path):
+    import subprocess, sys, os
+    p = subprocess.run([sys.executable, '-c', _DILATED_1X1.format(way=way, mode=mode)], capture_output=True, text=True,
+                       env={**os.environ, 'CLFAST_CACHE_DIR': str(tmp_path)}, timeout=300)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    err, stock_err = map(float, p.stdout.split('ERR')[-1].split())
+    assert err <= 3 * stock_err + 1e-6, (err, stock_err)

@@ -33,7 +33,7 @@ def forget_premises():
     "Forget this machine's measured premises (they are measured again when next needed)"
     forget_timings('premise:')
 
-# %% ../nbs/04c_routes.ipynb #d663a3cc
+# %% ../nbs/04c_routes.ipynb #e39b7a16
 @dataclass(frozen=True)
 class MeasuredKernel:
     "A stock kernel that is right but slow, or imprecise, on some CPUs; `probe()` measures whether it is so on this one"
@@ -75,7 +75,7 @@ def weight_grad_in_nchw(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|Non
     # computed, and returned, fp32 where the stock conv gives bf16)
     x, weight, bias = autocast_cast(x, weight, bias, dev=x.device.type)
     with no_autocast(x.device.type):
-        return _WeightGradInNchw.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+        return _WeightGradInNchw.apply(x, weight, bias, conv.stride, conv.padding, effective_dilation(conv), conv.groups)
 
 def short_input_slower() -> Timing:
     "`SHORT_INPUT_WGRAD`'s probe: a 512-channel 3x3 conv on 2-row inputs (batch 8), forward + backward, the weight gradient in nchw timed against stock channels-last (`time_pair`)"
@@ -114,7 +114,7 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/04c_routes.ipynb #39266ea8
+# %% ../nbs/04c_routes.ipynb #f6070515
 def reduced_backward_slower(dtype:torch.dtype) -> Timing:
     "The probe of `SLOW_BF16_BACKWARD` / `SLOW_FP16_BACKWARD`: a depthwise 3x3 stride-2 and a dense 3x3 channels-last conv backward (batch 8, 16x16), ATen's in fp32 on widened copies timed against stock in `dtype` (`time_pair`); the depthwise one's timing unless only the dense one is faster"
     def timing(c, groups):
@@ -183,13 +183,14 @@ def slow_backward_conv(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None
     if dt not in _SLOW_BACKWARD or not (x.requires_grad or weight.requires_grad): return None
     if torch.are_deterministic_algorithms_enabled() or torch.jit.is_tracing() or torch.compiler.is_compiling(): return None
     needs = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
-    key = (x.shape, weight.shape, conv.stride, conv.padding, conv.dilation, dt, needs, torch.get_num_threads(),
+    dilation = effective_dilation(conv)   # (the conv a dilated size-1 kernel dimension crashed: `effective_dilation`)
+    key = (x.shape, weight.shape, conv.stride, conv.padding, dilation, dt, needs, torch.get_num_threads(),
            x.is_contiguous(memory_format=torch.channels_last))
     if _BACKWARD_WAYS.get(key) == 'conv' or not _SLOW_BACKWARD[dt].present(): return None
     if not kernels_ready(): return None
     x, weight, bias = autocast_cast(x, weight, bias, dev='cpu')
     with no_autocast('cpu'):
-        return _TimedBackwardConv.apply(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups, key)
+        return _TimedBackwardConv.apply(x, weight, bias, conv.stride, conv.padding, dilation, conv.groups, key)
 
 # %% ../nbs/04c_routes.ipynb #d8ca0446
 def _zero_padding(conv) -> bool:

@@ -579,4 +579,8 @@ def test_dilation_on_a_size_one_kernel_dimension(way, mode, bf16, tmp_path):
                        env={**os.environ, 'CLFAST_CACHE_DIR': str(tmp_path)}, timeout=300)
     assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
     err, stock_err = map(float, p.stdout.split('ERR')[-1].split())
-    assert err <= 3 * stock_err + 1e-6, (err, stock_err)
+    # every output reads padding only, so each channel's conv output is its bias, constant: BN's output, 0 in fp64, is
+    # the rounding of y - mean times 1/sqrt(eps) (316x), about 1e-5 of a bias of 0.3 in fp32. Stock contiguous computes
+    # that mean exactly at ATen's default level (error 0) and does not at AVX-512's (1.1e-6); the fused layer read
+    # 1.9e-6 and 2.7e-6 there: the floor is that amplified rounding, not a precision difference
+    assert err <= 3 * stock_err + 1e-5, (err, stock_err)

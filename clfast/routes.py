@@ -17,11 +17,11 @@ from .bad_kernels import GuardPlan, guard_acts, route
 
 # %% auto #0
 __all__ = ['SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'SLOW_BF16_BACKWARD', 'SLOW_FP16_BACKWARD', 'SLOW_POINTWISE_MAPS',
-           'premise', 'forget_premises', 'MeasuredKernel', 'weight_grad_in_nchw', 'short_input_slower',
-           'may_meet_short_input', 'short_input_plan', 'reduced_backward_slower', 'may_meet_slow_backward',
-           'slow_backward_conv', 'is_pointwise', 'on_pointwise_maps', 'pointwise_product', 'pointwise_maps_slower',
-           'may_meet_slow_pointwise', 'takes_pointwise_product', 'effective_dilation', 'guarded_conv', 'GuardedConv2d',
-           'call_plan', 'short_input_route']
+           'premise', 'forget_premises', 'effective_dilation', 'MeasuredKernel', 'weight_grad_in_nchw',
+           'short_input_slower', 'may_meet_short_input', 'short_input_plan', 'reduced_backward_slower',
+           'may_meet_slow_backward', 'slow_backward_conv', 'is_pointwise', 'on_pointwise_maps', 'pointwise_product',
+           'pointwise_maps_slower', 'may_meet_slow_pointwise', 'takes_pointwise_product', 'guarded_conv',
+           'GuardedConv2d', 'call_plan', 'short_input_route']
 
 # %% ../nbs/04c_routes.ipynb #1b8c85af
 def premise(name:str, probe:Callable[[], Timing|bool]) -> bool:
@@ -33,7 +33,15 @@ def forget_premises():
     "Forget this machine's measured premises (they are measured again when next needed)"
     forget_timings('premise:')
 
-# %% ../nbs/04c_routes.ipynb #e39b7a16
+# %% ../nbs/04c_routes.ipynb #3426bd57
+def effective_dilation(conv:nn.Conv2d) -> tuple:
+    """`conv`'s dilation with 1 along a kernel dimension of size 1, where a dilation changes nothing. torch 2.14's CPU
+    conv of a channels-last input with a bias crashed the process (segfault) on some such geometries: a 1x1 kernel,
+    dilation (1, 3), stride 3, padding 1 on a 13x8x2 input (found by a seeded fuzz of the fused layer); with dilation
+    1 there it is the same conv, and runs"""
+    d = tuple(conv.dilation)
+    return d if d == (1, 1) else tuple(1 if k == 1 else dd for dd, k in zip(d, conv.kernel_size))
+
 @dataclass(frozen=True)
 class MeasuredKernel:
     "A stock kernel that is right but slow, or imprecise, on some CPUs; `probe()` measures whether it is so on this one"
@@ -244,15 +252,7 @@ def takes_pointwise_product(conv:nn.Module, x:Tensor) -> bool:
     alike: a CPU input of 1x1 maps, where the conv measured slower here (not while compiling: inductor decides)"""
     return on_pointwise_maps(conv, x) and not torch.compiler.is_compiling() and SLOW_POINTWISE_MAPS.present()
 
-# %% ../nbs/04c_routes.ipynb #466a2720
-def effective_dilation(conv:nn.Conv2d) -> tuple:
-    """`conv`'s dilation with 1 along a kernel dimension of size 1, where a dilation changes nothing. torch 2.14's CPU
-    conv of a channels-last input with a bias crashed the process (segfault) on some such geometries: a 1x1 kernel,
-    dilation (1, 3), stride 3, padding 1 on a 13x8x2 input (found by a seeded fuzz of the fused layer); with dilation
-    1 there it is the same conv, and runs"""
-    d = tuple(conv.dilation)
-    return d if d == (1, 1) else tuple(1 if k == 1 else dd for dd, k in zip(d, conv.kernel_size))
-
+# %% ../nbs/04c_routes.ipynb #6d8035e3
 def _stock_conv(conv:nn.Conv2d, x:Tensor, w:Tensor, b:Tensor|None) -> Tensor:
     "`conv`'s own conv (`nn.Conv2d._conv_forward`), with its `effective_dilation` where that differs (zero padding)"
     if conv.dilation == (1, 1) or conv.padding_mode != 'zeros': return nn.Conv2d._conv_forward(conv, x, w, b)

@@ -181,6 +181,25 @@ def test_fold_repacks_when_shape_or_weights_change():
         f.load_state_dict({k: v * 1.5 if k.endswith('conv2.weight') else v for k, v in f.state_dict().items()})
         torch.testing.assert_close(f(x), stock(x), rtol=1e-4, atol=1e-5)
 
+@pytest.mark.parametrize('onednn', [True, False])
+@pytest.mark.parametrize('autocast', [True, False], ids=['autocast', 'bf16_model'])
+def test_a_folded_grouped_conv_on_a_narrow_map_is_right_in_bf16(onednn, autocast):
+    """A folded grouped conv with one input and two output channels a group, stride (1, 2), on an output 1 wide: in bf16
+    oneDNN's channels-last conv (the folded call's and the stock one's) left its output uninitialized on an AVX-512
+    EPYC with AVX512-BF16 (`clfast.routes.GROUPED_NARROW_FORWARD_WRONG`); folded, it is fp64's at bf16's precision"""
+    from clfast.routes import _poison_freed_memory
+    torch.manual_seed(0)
+    m = randomize_bn(nn.Sequential(nn.Conv2d(8, 16, (1, 2), stride=(1, 2), groups=8), nn.BatchNorm2d(16), nn.ReLU())).eval()
+    f = fold_conv_bn(m, onednn=onednn)
+    assert isinstance(f[0], FoldedConv2d)
+    if not autocast: f = f.bfloat16()
+    x = torch.randn(2, 8, 5, 2).bfloat16().to(memory_format=torch.channels_last)
+    for _ in range(3):
+        _poison_freed_memory()
+        with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast): got = f(x if not autocast else x.float())
+        assert got.dtype == torch.bfloat16
+        assert _rel64(got, f, x) < 2e-2
+
 def _rel64(got, model, x):
     "Relative L2 error of `got` against `model`'s weights through stock modules in float64 (the folded weights pickle as a stock conv's)"
     ref = pickle.loads(pickle.dumps(model)).double()

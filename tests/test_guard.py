@@ -6,14 +6,16 @@ from torch import nn
 from hypothesis import given, settings, example, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
-from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam
+from fastai.vision.all import (ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam, Callback, DataLoaders,
+                               TensorImage, TensorCategory)
 import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import bad_kernels, guard, routes, check, timing
 from clfast.machine import onednn_isa, isa_env, MachineCache
 from clfast.bad_kernels import KNOWN_BAD_KERNELS, GuardPlan, route, bad_kernels_for
 from clfast.routes import (GuardedConv2d, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD, short_input_slower,
                            weight_grad_in_nchw, may_meet_slow_backward, slow_backward_conv, SLOW_BF16_BACKWARD,
-                           reduced_backward_slower)
+                           reduced_backward_slower, NARROW_WEIGHT_GRAD_WRONG, GROUPED_NARROW_FORWARD_WRONG,
+                           may_meet_narrow_map, narrow_map_plan, per_call_route, half_conv_wrong, _poison_freed_memory)
 from clfast.guard import guard_model, unguard_model, guard_report, IMPRECISE_CL_BATCH_NORM, CHECK_CACHE
 from clfast.bn import PreciseBatchNorm2d
 from clfast.fuse import fusion_report, unfuse_conv_bn
@@ -173,7 +175,8 @@ def test_no_cost_where_no_conv_is_affected():
     from helpers import conv_net
     net = conv_net(3)
     precise_bn = IMPRECISE_CL_BATCH_NORM.present()
-    before = [(GuardedConv2d if type(m) is nn.Conv2d and (may_meet_short_input(m) or may_meet_slow_backward(m)) else
+    routed = lambda m: may_meet_short_input(m) or may_meet_slow_backward(m) or may_meet_narrow_map(m)
+    before = [(GuardedConv2d if type(m) is nn.Conv2d and routed(m) else
                PreciseBatchNorm2d if type(m) is nn.BatchNorm2d and precise_bn else type(m), dict(m.__dict__))
               for m in net.modules()]
     assert guard_model(net) == [] and guard_report(net) == []
@@ -319,6 +322,112 @@ def test_slow_backward_route_equals_fp64_and_learns_the_way(monkeypatch, autocas
     (gx64,) = torch.autograd.grad(F.conv2d(xx, w64, conv2.bias.double(), 2, 1, 1, 6).square().sum(), xx, create_graph=True)
     (ggw64,) = torch.autograd.grad(gx64.square().sum(), w64)
     assert ((ggw.double() - ggw64).norm() / ggw64.norm()).item() < 5e-2
+
+# --- half-precision kernels wrong on narrow maps (NARROW_WEIGHT_GRAD_WRONG, GROUPED_NARROW_FORWARD_WRONG) -------------
+
+BF16 = torch.bfloat16
+# (the conv, its input's shape): a 3x3 stride-2 conv on 1-wide maps (the weight gradient's class), and a grouped conv
+# with one input and two output channels a group, stride (1, 2), on an output 1 wide (the grouped forward's, and the
+# weight gradient's too: zero-padded along the width, its input narrower than its stride)
+NARROW_CASES = {'weight_grad': (lambda: nn.Conv2d(16, 32, 3, stride=2, padding=1), (4, 16, 6, 1)),
+                'grouped_forward': (lambda: nn.Conv2d(8, 16, (1, 2), stride=(1, 2), padding=(0, 1), groups=8), (4, 8, 5, 1)),
+                'grouped_forward_unpadded': (lambda: nn.Conv2d(4, 8, (1, 2), stride=(1, 2), groups=4), (2, 4, 5, 2))}
+
+def _strides(t) -> list: return [st for st, n in zip(t.stride(), t.shape) if n > 1]
+
+def test_narrow_map_premises_are_measured_and_cached(tmp_path, monkeypatch):
+    "Each premise is its probe's answer on this machine (bf16 and fp16 apart), measured once and cached per machine; a conv may meet a route exactly where its class's premise held"
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {})
+    kernels = (*NARROW_WEIGHT_GRAD_WRONG.values(), *GROUPED_NARROW_FORWARD_WRONG.values())
+    held = {k.name: k.present() for k in kernels}
+    assert {k.name: timing.timings()[f'premise:{k.name}'] for k in kernels} == held
+    calls = []
+    monkeypatch.setattr(timing, '_here', {})   # the cache alone answers now: no probe runs
+    with mock.patch.object(routes, 'half_conv_wrong', lambda *a: calls.append(a)):
+        assert {k.name: k.present() for k in kernels} == held and calls == []
+    weight_grad, grouped = (any(held[k.name] for k in d.values()) for d in (NARROW_WEIGHT_GRAD_WRONG, GROUPED_NARROW_FORWARD_WRONG))
+    assert may_meet_narrow_map(NARROW_CASES['weight_grad'][0]()) == weight_grad
+    assert may_meet_narrow_map(NARROW_CASES['grouped_forward_unpadded'][0]()) == grouped
+    for never in (nn.Conv2d(16, 32, 3, padding=1), nn.Conv2d(16, 32, (3, 1), stride=2, padding=1),   # stride 1; 1 wide
+                  nn.Conv2d(16, 32, 3, stride=2), nn.Conv2d(16, 32, 3, stride=2, padding=1, padding_mode='reflect')):   # unpadded
+        assert not may_meet_narrow_map(never), never
+
+@pytest.mark.parametrize('case', list(NARROW_CASES))
+@pytest.mark.parametrize('autocast', [True, False], ids=['autocast', 'bf16_model'])
+def test_narrow_map_calls_equal_fp64(case, autocast, monkeypatch):
+    """A bf16 training step of a conv in a narrow-map class, guarded as `to_channelslast()` guards it: its output and
+    gradients are fp64's (of the same bf16 inputs) at bf16's precision, in the stock conv's dtypes and layouts, after a
+    freed buffer of huge values before forward and backward (as in training, where the stock kernels read them: off by
+    1e20 and more on an AVX-512 EPYC). The route is taken where the premise holds here, and gives fp64's either way"""
+    make, shape = NARROW_CASES[case]
+    for held in (None, True):   # this machine's answer, then the route forced (right on any machine)
+        if held: monkeypatch.setattr(timing, '_here', {**timing._here, **{f'premise:{k.name}': True for k in
+                                     (*NARROW_WEIGHT_GRAD_WRONG.values(), *GROUPED_NARROW_FORWARD_WRONG.values())}})
+        torch.manual_seed(0)
+        net = nn.Sequential(make()).to(memory_format=CL)
+        if not autocast: net = net.bfloat16()
+        guard_model(net)
+        conv = net[0]
+        x = torch.randn(shape).to(conv.weight.dtype).to(memory_format=CL).requires_grad_()
+        with torch.autocast('cpu', dtype=BF16, enabled=autocast):
+            plan = narrow_map_plan(conv, x, conv.weight)
+            if held or plan is not None: assert type(conv) is GuardedConv2d and plan.workaround == 'fp32'
+            _poison_freed_memory()
+            y = conv(x)
+        assert y.dtype == BF16 and y.is_contiguous(memory_format=CL)
+        dy = torch.randn(y.shape).bfloat16().to(memory_format=CL)
+        _poison_freed_memory()
+        y.backward(dy)
+        x64, w64, b64 = (t.detach().bfloat16().double().requires_grad_() for t in (x, conv.weight, conv.bias))
+        y64 = F.conv2d(x64, w64, b64, conv.stride, conv.padding, conv.dilation, conv.groups)
+        y64.backward(dy.double())
+        for name, got, want, like in (('out', y, y64, None), ('dx', x.grad, x64.grad, x),
+                                      ('dweight', conv.weight.grad, w64.grad, conv.weight), ('dbias', conv.bias.grad, b64.grad, conv.bias)):
+            if like is not None:   # (a stride of a size-1 dimension means nothing, and autograd keeps either)
+                assert got.dtype == like.dtype and _strides(got) == _strides(like), name
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 2**-6, f"{case}, premise {held}: {name} off fp64 by {err:.3g}"
+        if plan is not None and not autocast:   # the audit names the route, and the route's copies are not thrashing
+            r = audit(net, x.detach())
+            assert r.ok and [(n, how) for n, how, _ in r.guarded] == [('0', 'fp32')], r
+
+def narrow_map_learner():
+    "A fastai Learner on 8x1 images whose convs are in both narrow-map classes: a 3x3 stride-2 ConvLayer, then a grouped conv"
+    g = torch.Generator().manual_seed(0)
+    x = TensorImage(torch.randn(48, 3, 8, 1, generator=g))
+    y = TensorCategory((x[:, 0].mean((1, 2)) > 0).long())
+    dls = DataLoaders.from_dsets(list(zip(x[:32], y[:32])), list(zip(x[32:], y[32:])), bs=16, device='cpu')
+    net = nn.Sequential(ConvLayer(3, 8, ks=3, stride=2), nn.Conv2d(8, 16, (1, 2), stride=(1, 2), padding=(0, 1), groups=8),
+                        nn.AdaptiveAvgPool2d(1), Flatten(), nn.Linear(16, 2))
+    return Learner(dls, net, loss_func=CrossEntropyLossFlat(), opt_func=Adam)
+
+class _FirstGrads(Callback):
+    "Keeps the first batch and the model's gradients on it"
+    order = 100
+    def before_fit(self): self.grads = None
+    def after_backward(self):
+        if self.grads is None:
+            self.grads = {n: p.grad.detach().clone() for n, p in self.learn.model.named_parameters()}
+            self.batch = tuple(b[0].as_subclass(torch.Tensor).detach().clone() for b in (self.learn.xb, self.learn.yb))
+
+@pytest.mark.parametrize('fuse', [False, 'speed', 'memory'])
+def test_narrow_map_learner_trains_as_fp64(fuse):
+    "`to_channelslast(amp_mode='bf16')` and a fit: the first step's gradients are fp64's of the same batch at bf16's precision, fused or not (the stock model's were off by 1e16-1e33 here)"
+    learn = narrow_map_learner()
+    ref = copy.deepcopy(learn.model).double()
+    learn.to_channelslast(amp_mode='bf16', fuse=fuse)
+    if not fuse and NARROW_WEIGHT_GRAD_WRONG[BF16].present(): assert type(learn.model[0][0]) is GuardedConv2d
+    cb = _FirstGrads()
+    learn.fit(1, lr=1e-3, cbs=cb)
+    xb, yb = cb.batch
+    assert xb.is_contiguous(memory_format=CL) and xb.shape[-1] == 1
+    ref.train()
+    learn.loss_func(ref(xb.double()), yb).backward()
+    for (n, p64) in ref.named_parameters():
+        got = cb.grads[n].double()
+        err = ((got - p64.grad).norm() / p64.grad.norm()).item()
+        assert err < 5e-2, f"{n}: {err:.3g}"
 
 # --- the numerics self-check -----------------------------------------------------------------------------------------
 

@@ -25,7 +25,10 @@ __all__ = ['SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'SLOW_BF16_BACKWARD', 
            'takes_pointwise_product', 'output_width', 'half_conv_wrong', 'may_meet_narrow_map', 'narrow_map_plan',
            'conv_in_fp32', 'guarded_conv', 'GuardedConv2d', 'call_plan', 'per_call_route']
 
-# %% ../nbs/04c_routes.ipynb #1b8c85af
+# %% ../nbs/04c_routes.ipynb #2d0d4568
+# a fact about the machine: under torch.compile dynamo runs it as it is and keeps the answer as a constant, rather than
+# tracing into the cache's file reads (which it warned about, four times, in every compiled guarded conv)
+@torch.compiler.assume_constant_result
 def premise(name:str, probe:Callable[[], Timing|bool]) -> bool:
     "Whether the premise `name` holds on this machine, measured once per machine (`clfast.timing.decide_premise`): where `probe()` times a route against the stock kernel, the route is faster by the margin; where it checks numerics, its bool"
     held = decide_premise(f"premise:{name}", probe)

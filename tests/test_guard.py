@@ -392,6 +392,37 @@ def test_narrow_map_calls_equal_fp64(case, autocast, monkeypatch):
             r = audit(net, x.detach())
             assert r.ok and [(n, how) for n, how, _ in r.guarded] == [('0', 'fp32')], r
 
+@pytest.mark.parametrize('case', ['weight_grad', 'grouped_forward'])
+def test_a_compiled_narrow_map_conv_is_routed_silently(case, tmp_path, monkeypatch):
+    """Under torch.compile, in a process that finds this machine's premises in its cache, a guarded conv's route is
+    traced with its premise read as a constant (dynamo traced the cache's reads and warned about each of four cached
+    functions): one graph, no warning, and a bf16 training step at fp64's precision"""
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {})
+    for k in (*NARROW_WEIGHT_GRAD_WRONG.values(), *GROUPED_NARROW_FORWARD_WRONG.values()): k.present()   # measured, cached
+    monkeypatch.setattr(timing, '_here', {})   # a new process: the cache's answers
+    make, shape = NARROW_CASES[case]
+    torch.manual_seed(0)
+    net = nn.Sequential(make()).to(memory_format=CL)
+    guard_model(net)
+    conv = net[0]
+    x = torch.randn(shape).to(memory_format=CL).requires_grad_()
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')   # any warning fails the test
+        with torch.autocast('cpu', dtype=BF16):
+            explained = torch._dynamo.explain(net)(x)
+            y = torch.compile(net)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    dy = torch.randn(y.shape).bfloat16()
+    y.backward(dy)
+    x64, w64, b64 = (t.detach().bfloat16().double().requires_grad_() for t in (x, conv.weight, conv.bias))
+    y64 = F.conv2d(x64, w64, b64, conv.stride, conv.padding, conv.dilation, conv.groups)
+    y64.backward(dy.double())
+    for name, got, want in (('out', y, y64), ('dx', x.grad, x64.grad), ('dweight', conv.weight.grad, w64.grad)):
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err < 2**-6, f"{name} off fp64 by {err:.3g}"
+
 def narrow_map_learner():
     "A fastai Learner on 8x1 images whose convs are in both narrow-map classes: a 3x3 stride-2 ConvLayer, then a grouped conv"
     g = torch.Generator().manual_seed(0)

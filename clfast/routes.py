@@ -18,8 +18,8 @@ from .bad_kernels import GuardPlan, guard_acts, route
 # %% auto #0
 __all__ = ['SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'SLOW_BF16_BACKWARD', 'SLOW_FP16_BACKWARD', 'SLOW_POINTWISE_MAPS',
            'HALF_DTYPES', 'NARROW_WEIGHT_GRAD_CASES', 'GROUPED_NARROW_FORWARD_CASES', 'NARROW_WEIGHT_GRAD_WRONG',
-           'GROUPED_NARROW_FORWARD_WRONG', 'premise', 'forget_premises', 'effective_dilation', 'MeasuredKernel',
-           'weight_grad_in_nchw', 'short_input_slower', 'may_meet_short_input', 'short_input_plan',
+           'GROUPED_NARROW_FORWARD_WRONG', 'premise', 'forget_premises', 'effective_dilation', 'dilates_a_size_one_dim',
+           'MeasuredKernel', 'weight_grad_in_nchw', 'short_input_slower', 'may_meet_short_input', 'short_input_plan',
            'reduced_backward_slower', 'may_meet_slow_backward', 'slow_backward_conv', 'is_pointwise',
            'on_pointwise_maps', 'pointwise_product', 'pointwise_maps_slower', 'may_meet_slow_pointwise',
            'takes_pointwise_product', 'output_width', 'half_conv_wrong', 'may_meet_narrow_map', 'narrow_map_plan',
@@ -38,7 +38,7 @@ def forget_premises():
     "Forget this machine's measured premises (they are measured again when next needed)"
     forget_timings('premise:')
 
-# %% ../nbs/04c_routes.ipynb #3426bd57
+# %% ../nbs/04c_routes.ipynb #fc714994
 def effective_dilation(conv:nn.Conv2d) -> tuple:
     """`conv`'s dilation with 1 along a kernel dimension of size 1, where a dilation changes nothing. torch 2.14's CPU
     conv of a channels-last input with a bias crashed the process (segfault) on some such geometries: a 1x1 kernel,
@@ -46,6 +46,13 @@ def effective_dilation(conv:nn.Conv2d) -> tuple:
     1 there it is the same conv, and runs"""
     d = tuple(conv.dilation)
     return d if d == (1, 1) else tuple(1 if k == 1 else dd for dd, k in zip(d, conv.kernel_size))
+
+def dilates_a_size_one_dim(conv:nn.Module) -> bool:
+    """Whether stock `conv` is dilated along a kernel dimension of size 1: `guard_model` makes it a `GuardedConv2d`,
+    whose every way runs its `effective_dilation` (stock ones crashed in the fused layer's fuzz and a sweep of stock
+    bf16 convs: a [3, 1] kernel dilated (1, 2), 3 groups, on an 8x1 input; not probed, since the probe would crash:
+    the conv it runs is the same conv)"""
+    return type(conv) in (nn.Conv2d, GuardedConv2d) and conv.dilation != (1, 1) and effective_dilation(conv) != tuple(conv.dilation)
 
 @dataclass(frozen=True)
 class MeasuredKernel:

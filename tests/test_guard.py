@@ -423,6 +423,43 @@ def test_a_compiled_narrow_map_conv_is_routed_silently(case, tmp_path, monkeypat
         err = ((got.double() - want).abs().max() / want.abs().max()).item()
         assert err < 2**-6, f"{name} off fp64 by {err:.3g}"
 
+DILATED_SIZE_ONE = """
+import torch, torch.nn.functional as F
+from torch import nn
+from clfast import timing
+from clfast.guard import guard_model, MEASURED_KERNELS
+timing._here.update({f'premise:{k.name}': False for k in MEASURED_KERNELS})   # this route alone
+torch.manual_seed(0)
+for kernel, dilation, stride, padding, groups, shape, bias in (((1, 1), (1, 3), 3, 1, 1, (3, 13, 8, 2), True),
+                                                               ((3, 1), (1, 2), (1, 2), (2, 1), 3, (1, 3, 8, 1), True)):
+    for dtype in (torch.float32, torch.bfloat16):
+        cin = shape[1]
+        net = nn.Sequential(nn.Conv2d(cin, 19 * groups, kernel, stride, padding, dilation, groups, bias)).to(memory_format=torch.channels_last)
+        guard_model(net)
+        conv = net[0]
+        x = torch.randn(shape).to(memory_format=torch.channels_last).requires_grad_()
+        with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            y = conv(x)
+        y.float().square().sum().backward()
+        # the same conv without the dilation, in fp64
+        x64, w64 = x.detach().to(y.dtype).double().requires_grad_(), conv.weight.detach().to(y.dtype).double().requires_grad_()
+        b64 = None if conv.bias is None else conv.bias.detach().to(y.dtype).double()
+        y64 = F.conv2d(x64, w64, b64, stride, padding, 1, groups)
+        y64.square().sum().backward()
+        # (these convs read only padding along the width: where fp64's gradient is 0, the error is the value itself)
+        errs = [((a.double() - b).abs().max() / (b.abs().max() if b.any() else 1)).item()
+                for a, b in ((y, y64), (x.grad, x64.grad), (conv.weight.grad, w64.grad))]
+        print(type(conv).__name__, str(dtype), max(errs))
+"""
+
+def test_a_conv_dilated_along_a_size_one_kernel_dim_runs_undilated():
+    "Stock convs of these geometries (a dilated size-1 kernel dimension, on inputs so narrow that the conv reads only padding along it) crashed the process (segfault) in channels-last; guarded, each runs as the same conv undilated, at fp64's values (in a child process: a crash would end the test run)"
+    r = run_child(DILATED_SIZE_ONE)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [l.split() for l in r.stdout.splitlines()]
+    assert len(rows) == 4 and all(name == 'GuardedConv2d' for name, *_ in rows), r.stdout
+    for name, dtype, err in rows: assert float(err) < (1e-5 if dtype == 'torch.float32' else 2**-6), (dtype, err)
+
 def narrow_map_learner():
     "A fastai Learner on 8x1 images whose convs are in both narrow-map classes: a 3x3 stride-2 ConvLayer, then a grouped conv"
     g = torch.Generator().manual_seed(0)

@@ -38,7 +38,7 @@ def forget_premises():
     "Forget this machine's measured premises (they are measured again when next needed)"
     forget_timings('premise:')
 
-# %% ../nbs/04c_routes.ipynb #fc714994
+# %% ../nbs/04c_routes.ipynb #5a54a431
 def effective_dilation(conv:nn.Conv2d) -> tuple:
     """`conv`'s dilation with 1 along a kernel dimension of size 1, where a dilation changes nothing. torch 2.14's CPU
     conv of a channels-last input with a bias crashed the process (segfault) on some such geometries: a 1x1 kernel,
@@ -56,7 +56,7 @@ def dilates_a_size_one_dim(conv:nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class MeasuredKernel:
-    "A stock kernel that is right but slow, or imprecise, on some CPUs; `probe()` measures whether it is so on this one"
+    "A stock kernel that is slow, imprecise or wrong on some CPUs; `probe()` measures whether it is so on this one"
     name: str                  # the premise's name in the per-machine cache
     op: str
     reference: str

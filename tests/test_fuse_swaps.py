@@ -89,8 +89,12 @@ def test_hooks_see_the_stock_modules_work():
     for k in ('block', 'stem'):
         assert seen[k].min() < 0   # before the ReLU
         assert (seen[k].double() - seen[k + '64']).abs().max() < 1e-4
+    r = fusion_report(m)   # the pass fused them; the report says they run unfused while hooked
+    assert 'conv1' in dict(r.fused) and r.hooked == ['conv1', 'layer2.0', 'layer2.0.conv1'], r.hooked
+    assert 'hooked  layer2.0: runs as its stock modules' in repr(r)
     for h in hooks: h.remove()
     assert not m.conv1.runs_unfused() and not m.layer2[0].runs_unfused()
+    assert fusion_report(m).hooked == []
     t = torch.randn(2, 64, 4, 4)
     assert m.bn1(t) is t   # a pass-through again
 

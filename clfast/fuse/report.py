@@ -13,7 +13,7 @@ from ..stock import need_module
 # %% auto #0
 __all__ = ['FusionReport', 'fusion_report']
 
-# %% ../../nbs/24a_fuse_report.ipynb #6b3f8faa
+# %% ../../nbs/24a_fuse_report.ipynb #c2eb51a9
 @dataclass
 class FusionReport:
     "What `fuse_conv_bn` fused (qualified conv name, pattern), what it skipped (name, reason), and a reason for every BN left unfused"
@@ -25,26 +25,32 @@ class FusionReport:
     n_bn: int = 0                                  # BN layers in the model; `coverage` is the fraction fused
     pointwise: list = field(default_factory=list)  # names of the 1x1 convs run as a matrix product on 1x1 maps (clfast.fuse.pointwise)
     opened: list = field(default_factory=list)     # (name, why): fused layers running as their stock modules since a module of theirs was replaced
+    hooked: list = field(default_factory=list)     # names of fused layers and blocks running as their stock modules while a module of theirs has hooks
     @property
     def coverage(self) -> float: return 1. if not self.n_bn else 1 - len(self.unfused) / self.n_bn
     def __repr__(self):
         lines = [f"FusionReport(mode={self.mode!r}): {len(self.fused)} fused, {len(self.skipped)} skipped"
                  + (f", {len(self.guarded)} guarded" if self.guarded else '')
                  + (f", {len(self.opened)} opened" if self.opened else '')
+                 + (f", {len(self.hooked)} hooked" if self.hooked else '')
                  + f"; {self.n_bn - len(self.unfused)}/{self.n_bn} BN fused"
                  + (f"; {len(self.pointwise)} 1x1 convs as matrix products on 1x1 maps" if self.pointwise else '')]
         lines += [f"  fused   {n}: {p}" for n,p in self.fused] + [f"  skipped {n}: {r}" for n,r in self.skipped]
         lines += [f"  guarded {n}: {w} ({why})" for n,w,why in self.guarded]
         lines += [f"  opened  {n}: {why}" for n,why in self.opened]
+        lines += [f"  hooked  {n}: runs as its stock modules while a module of it has hooks" for n in self.hooked]
         return '\n'.join(lines)
 
 _reports = weakref.WeakKeyDictionary()
 
 def fusion_report(model:nn.Module) -> FusionReport|None:
-    "The report of the last `fuse_conv_bn` on `model` (None if it was never fused), with where the guard acts now and the fused layers opened since"
+    "The report of the last `fuse_conv_bn` on `model` (None if it was never fused), with where the guard acts now, the fused layers opened since, and those running unfused now while hooked"
     need_module(model, 'fusion_report')
     report = _reports.get(model)
     if report is not None:
         report.guarded = guard_report(model)
         report.opened = [(n, m.__dict__['opened']) for n, m in model.named_modules() if m.__dict__.get('opened') is not None]
+        # (`runs_unfused()` outside a forward: true for an unopened layer or block only while a hook is on it)
+        report.hooked = [n for n, m in model.named_modules() if m.__dict__.get('opened') is None
+                         and callable(getattr(m, 'runs_unfused', None)) and m.runs_unfused()]
     return report

@@ -43,7 +43,7 @@ def conv_geometry(conv:nn.Conv2d) -> ConvGeometry|None:
     # (1 along a kernel dimension of size 1: the same conv, and one stock PyTorch can crash on otherwise: `effective_dilation`)
     return ConvGeometry(tuple(conv.stride), tuple(pad), effective_dilation(conv), conv.groups)
 
-# %% ../nbs/23_fused.ipynb #4ba31ab4
+# %% ../nbs/23_fused.ipynb #b75d35e0
 def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|None=None, act:str|nn.Module|bool|None=None,
                 act_param:float=0., mode:str='speed') -> Tensor:
     "`act(bn(conv(x)) + residual)` as one fused op, updating `bn`'s running statistics like the stock module"
@@ -77,7 +77,7 @@ def _fused_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
     # a half-precision conv kernel wrong here on this call's narrow map (`clfast.routes.narrow_map_plan`): the
     # layer as its stock way runs it, whose conv runs in fp32 (the fused op's conv and its backward are ATen's)
     if plan is not None and plan.workaround == 'fp32': return _stock_layer(x, conv, bn, residual, a, act_param)
-    r = route(plan, x, w, geom.stride, residual) if dev == 'cpu' else None
+    r = None if plan is None else route(plan, x, w, geom.stride, residual)
     if r is not None:   # (not `geom._replace`: torch 2.4's torch.compile does not trace it: a graph break in each routed layer)
         x, w, residual, geom = r.x, r.weight, r.residual, ConvGeometry(r.stride, geom.padding, geom.dilation, geom.groups)
     with no_autocast(dev):

@@ -38,7 +38,7 @@ def forget_premises():
     "Forget this machine's measured premises (they are measured again when next needed)"
     forget_timings('premise:')
 
-# %% ../nbs/04c_routes.ipynb #5a54a431
+# %% ../nbs/04c_routes.ipynb #347542c6
 def effective_dilation(conv:nn.Conv2d) -> tuple:
     """`conv`'s dilation with 1 along a kernel dimension of size 1, where a dilation changes nothing. torch 2.14's CPU
     conv of a channels-last input with a bias crashed the process (segfault) on some such geometries: a 1x1 kernel,
@@ -52,7 +52,7 @@ def dilates_a_size_one_dim(conv:nn.Module) -> bool:
     whose every way runs its `effective_dilation` (stock ones crashed in the fused layer's fuzz and a sweep of stock
     bf16 convs: a [3, 1] kernel dilated (1, 2), 3 groups, on an 8x1 input; not probed, since the probe would crash:
     the conv it runs is the same conv)"""
-    return type(conv) in (nn.Conv2d, GuardedConv2d) and conv.dilation != (1, 1) and effective_dilation(conv) != tuple(conv.dilation)
+    return type(conv) in (nn.Conv2d, GuardedConv2d) and effective_dilation(conv) != tuple(conv.dilation)
 
 @dataclass(frozen=True)
 class MeasuredKernel:

@@ -22,7 +22,7 @@ from ..stock import rebuilt, replace_modules
 # %% auto #0
 __all__ = ['FoldedConv2d', 'fold_conv_bn']
 
-# %% ../../nbs/24e_fuse_fold.ipynb #12ddc6ab
+# %% ../../nbs/24e_fuse_fold.ipynb #07a94f63
 class FoldedConv2d(_FusedMixin, nn.Conv2d):
     "A conv with BN folded into its weights, then (+ residual) (→ activation); pickles as a stock `nn.Conv2d`"
     _stock_class, _own_attrs = nn.Conv2d, ('act', 'act_param', 'onednn', 'surgical', '_packed', 'opened', '_act_source')
@@ -74,7 +74,7 @@ class FoldedConv2d(_FusedMixin, nn.Conv2d):
         if self.__dict__.get('opened') is not None: return self._opened(x, residual)
         dt, failed = self._onednn_dtype(x, residual), None
         # (not where oneDNN's half-precision kernel measured wrong on this call's narrow map: `_conv_forward` routes it)
-        if dt is not None and narrow_map_plan(self, x, self.weight) is None:
+        if dt is not None and narrow_map_plan(self, x, self._parameters['weight']) is None:
             try: return self._onednn(x, residual, dt)
             except RuntimeError as e: failed = e   # an input the stock conv refuses too (its error is clearer), or oneDNN's own
         y = self._conv_forward(x, self.weight, self.bias)

@@ -7,7 +7,7 @@ from hypothesis import given, settings, example, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from fastai.vision.all import (ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam, Callback, DataLoaders,
-                               TensorImage, TensorCategory)
+                               TensorImage, TensorCategory, NormType)
 import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import bad_kernels, guard, routes, check, timing
 from clfast.machine import onednn_isa, isa_env, MachineCache
@@ -15,7 +15,8 @@ from clfast.bad_kernels import KNOWN_BAD_KERNELS, GuardPlan, route, bad_kernels_
 from clfast.routes import (GuardedConv2d, may_meet_short_input, short_input_plan, SHORT_INPUT_WGRAD, short_input_slower,
                            weight_grad_in_nchw, may_meet_slow_backward, slow_backward_conv, SLOW_BF16_BACKWARD,
                            reduced_backward_slower, NARROW_WEIGHT_GRAD_WRONG, GROUPED_NARROW_FORWARD_WRONG,
-                           may_meet_narrow_map, narrow_map_plan, _poison_freed_memory)
+                           may_meet_narrow_map, narrow_map_plan, _poison_freed_memory, GuardedInstanceNorm2d,
+                           WRONG_ONE_SAMPLE_INSTANCE_NORM)
 from clfast.guard import guard_model, unguard_model, guard_report, IMPRECISE_CL_BATCH_NORM, CHECK_CACHE
 from clfast.bn import PreciseBatchNorm2d
 from clfast.fuse import fusion_report, unfuse_conv_bn
@@ -499,6 +500,55 @@ def test_narrow_map_learner_trains_as_fp64(fuse):
         got = cb.grads[n].double()
         err = ((got - p64.grad).norm() / p64.grad.norm()).item()
         assert err < 5e-2, f"{n}: {err:.3g}"
+
+# --- instance norm of one sample (WRONG_ONE_SAMPLE_INSTANCE_NORM) ---------------------------------------------------
+
+def test_one_sample_instance_norm_premise_and_guard(tmp_path, monkeypatch):
+    "The premise is its probe's answer here, cached per machine; `guard_model` makes each stock InstanceNorm2d a GuardedInstanceNorm2d exactly where it held, over the same state, pickling as the stock class; `unguard_model` undoes it"
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {})
+    held = WRONG_ONE_SAMPLE_INSTANCE_NORM.present()
+    assert timing.timings()[f'premise:{WRONG_ONE_SAMPLE_INSTANCE_NORM.name}'] == held == routes.one_sample_instance_norm_wrong()
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.InstanceNorm2d(8, affine=True), nn.Conv2d(8, 8, 3), nn.InstanceNorm2d(8))
+    params, keys = list(net.parameters()), list(net.state_dict())
+    guard_model(net)
+    assert [type(m) for m in net[1::2]] == [GuardedInstanceNorm2d if held else nn.InstanceNorm2d] * 2
+    assert list(net.parameters()) == params and list(net.state_dict()) == keys
+    assert all(type(m) is nn.InstanceNorm2d for m in pickle.loads(pickle.dumps(net))[1::2])
+    unguard_model(net)
+    assert [type(m) for m in net[1::2]] == [nn.InstanceNorm2d] * 2 and list(net.parameters()) == params
+    assert guard_model(nn.Sequential(nn.InstanceNorm2d(8)), device='meta') == []   # (not a CPU model: left stock)
+
+def instance_norm_learner():
+    "A fastai Learner at batch size 1 on a generator's pattern: InstanceNorm2d layers whose outputs go to a conv and to a residual sum (their gradients come back channels-last)"
+    g = torch.Generator().manual_seed(0)
+    x = TensorImage(torch.randn(6, 3, 8, 8, generator=g))
+    y = TensorCategory((x[:, 0].mean((1, 2)) > 0).long())
+    dls = DataLoaders.from_dsets(list(zip(x[:4], y[:4])), list(zip(x[4:], y[4:])), bs=1, device='cpu')
+    class Residual(nn.Module):
+        def __init__(self): super().__init__(); self.body = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True))
+        def forward(self, x): return x + self.body(x)
+    net = nn.Sequential(ConvLayer(3, 8, norm_type=NormType.Instance), nn.Conv2d(8, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True),
+                        Residual(), nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), Flatten(), nn.Linear(8, 2))
+    return Learner(dls, net, loss_func=CrossEntropyLossFlat(), opt_func=Adam)
+
+@pytest.mark.parametrize('use_amp', [True, False], ids=['default', 'fp32'])
+def test_one_sample_instance_norm_learner_trains_as_fp64(use_amp):
+    "`to_channelslast()` and a fit at batch size 1: the first step's gradients are fp64's of the same batch at the precision's error, with the default mixed precision and in fp32 (stock's were off by 100% or more here, in fp64 too)"
+    learn = instance_norm_learner()
+    ref = copy.deepcopy(learn.model).double()
+    learn.to_channelslast(use_amp=use_amp)
+    if WRONG_ONE_SAMPLE_INSTANCE_NORM.present(): assert type(learn.model[2]) is GuardedInstanceNorm2d
+    cb = _FirstGrads()
+    learn.fit(1, lr=1e-3, cbs=cb)
+    xb, yb = cb.batch
+    assert xb.is_contiguous(memory_format=CL) and xb.shape[0] == 1
+    ref.train()
+    learn.loss_func(ref(xb.double()), yb).backward()
+    for (n, p64) in ref.named_parameters():
+        if p64.grad.norm() < 1e-10: continue   # (a conv bias before an instance norm: no gradient in exact math)
+        err = ((cb.grads[n].double() - p64.grad).norm() / p64.grad.norm()).item()
+        assert err < (5e-2 if use_amp else 1e-4), f"{n}: {err:.3g}"
 
 # --- the numerics self-check -----------------------------------------------------------------------------------------
 

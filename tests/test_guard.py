@@ -544,7 +544,7 @@ def test_one_sample_instance_norm_learner_trains_as_fp64(use_amp):
     xb, yb = cb.batch
     assert xb.is_contiguous(memory_format=CL) and xb.shape[0] == 1
     ref.train()
-    learn.loss_func(ref(xb.double()), yb).backward()
+    learn.loss_func(ref(xb.double().contiguous()), yb).backward()   # (contiguous: a channels-last fp64 one is wrong too)
     for (n, p64) in ref.named_parameters():
         if p64.grad.norm() < 1e-10: continue   # (a conv bias before an instance norm: no gradient in exact math)
         err = ((cb.grads[n].double() - p64.grad).norm() / p64.grad.norm()).item()

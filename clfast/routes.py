@@ -413,11 +413,11 @@ def per_call_route(conv:nn.Module, x:Tensor):
     plan = narrow_map_plan(conv, x, conv.weight) or short_input_plan(conv, x, conv.weight)
     return plan if guard_acts(plan, x, conv.weight) else None
 
-# %% ../nbs/04c_routes.ipynb #d2518401
-def one_sample_instance_norm_wrong() -> bool:
-    "The probe: whether stock `F.instance_norm`'s input gradient for one sample, from a channels-last upstream gradient, is off fp64 math's by over a tenth of its largest value"
+# %% ../nbs/04c_routes.ipynb #b780a262
+def one_sample_instance_norm_wrong(device='cpu') -> bool:
+    "The probe: whether stock `F.instance_norm`'s input gradient for one sample on `device`, from a channels-last upstream gradient, is off fp64 math's by over a tenth of its largest value"
     g = torch.Generator().manual_seed(0)
-    x, dy = (torch.randn(1, 3, 4, 5, dtype=torch.float64, generator=g) for _ in range(2))
+    x, dy = (torch.randn(1, 3, 4, 5, dtype=torch.float64, generator=g).to(device) for _ in range(2))
     def grad(norm, dy):
         t = x.clone().requires_grad_()
         norm(t).backward(dy)

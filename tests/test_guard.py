@@ -523,6 +523,11 @@ def test_one_sample_instance_norm_premise_and_guard(tmp_path, monkeypatch):
     assert [type(m) for m in net[1::2]] == [nn.InstanceNorm2d] * 2 and list(net.parameters()) == params
     assert guard_model(nn.Sequential(nn.InstanceNorm2d(8)), device='meta') == []   # (not a CPU model: left stock)
 
+@pytest.mark.cuda
+def test_one_sample_instance_norm_on_cuda_is_right():
+    "CUDA's stock instance norm of one sample, from a channels-last upstream gradient, against fp64 math: clfast guards CPU models only (`guard_model`), so it must be right there (unmeasured: no GPU when the CPU's bug was found)"
+    assert not routes.one_sample_instance_norm_wrong('cuda')
+
 def instance_norm_learner():
     "A fastai Learner at batch size 1 on a generator's pattern: InstanceNorm2d layers whose outputs go to a conv and to a residual sum (their gradients come back channels-last)"
     class Residual(nn.Module):

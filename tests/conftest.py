@@ -12,20 +12,34 @@ settings.load_profile(os.environ.get('HYPOTHESIS_PROFILE', 'ci'))
 
 class _TritonCompiles:
     """On a GPU: what Triton's compiler cost the run (the GPU script's lease pays for it), said with pytest's summary.
-    A measurement beside the tests: where it cannot be set up, the tests run all the same and the summary says why"""
-    def __init__(self): self.stack, self.count = contextlib.ExitStack(), None
+    A measurement beside the tests: where it cannot be set up, the tests run all the same and the summary says why.
+    Under pytest-xdist (the GPU script's parallel step) each worker counts its own, and the summary says their sum"""
+    def __init__(self, config): self.config, self.stack, self.count, self.workers = config, contextlib.ExitStack(), None, []
     def pytest_sessionstart(self, session):
         try:
             from clfast.gpu_report import counting_compiles
             self.count = (self.stack.enter_context(counting_compiles())
                           or "Triton's compiles not counted: this Triton has no compilation listener")
         except Exception as e: self.count = f"Triton's compiles not counted: {type(e).__name__}: {e}"
+    def pytest_sessionfinish(self, session):
+        out = getattr(self.config, 'workeroutput', None)   # an xdist worker's: sent to the controller
+        if out is not None and not isinstance(self.count, str):
+            c = self.count
+            out['triton_compiles'] = dict(compiled=dict(c.compiled), cached=dict(c.cached), seconds=c.seconds)
+    @pytest.hookimpl(optionalhook=True)   # an xdist hook: no error where xdist is not installed
+    def pytest_testnodedown(self, node, error):
+        got = getattr(node, 'workeroutput', {}).get('triton_compiles')
+        if got is not None: self.workers.append(got)
     def pytest_terminal_summary(self, terminalreporter):
         self.stack.close()
-        terminalreporter.write_line(str(self.count))
+        c = self.count
+        if self.workers and not isinstance(c, str):
+            for w in self.workers: c.compiled.update(w['compiled']); c.cached.update(w['cached']); c.seconds += w['seconds']
+            c = f"{c} (summed over {len(self.workers)} processes)"
+        terminalreporter.write_line(str(c))
 
 def pytest_configure(config):
-    if torch.cuda.is_available(): config.pluginmanager.register(_TritonCompiles(), 'clfast-triton-compiles')
+    if torch.cuda.is_available(): config.pluginmanager.register(_TritonCompiles(config), 'clfast-triton-compiles')
 
 def pytest_collection_modifyitems(config, items):
     """Where the test command (tools/test.sh) compiles the offline compile report in the background, on what the cores

@@ -363,7 +363,7 @@ def conv_in_fp32(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None) -> T
         out = _stock_conv(conv, wide(x), wide(weight), wide(bias)).to(x.dtype)
     return out.contiguous(memory_format=torch.channels_last) if channels_last else out
 
-# %% ../nbs/04c_routes.ipynb #700f629c
+# %% ../nbs/04c_routes.ipynb #aff9bc78
 def _stock_conv(conv:nn.Conv2d, x:Tensor, w:Tensor, b:Tensor|None) -> Tensor:
     "`conv`'s own conv (`nn.Conv2d._conv_forward`), with its `effective_dilation` where that differs (zero padding)"
     if conv.dilation == (1, 1) or conv.padding_mode != 'zeros': return nn.Conv2d._conv_forward(conv, x, w, b)
@@ -377,6 +377,8 @@ def guarded_conv(conv:nn.Conv2d, input:Tensor, weight:Tensor, bias:Tensor|None) 
     # torch.fx's symbolic trace (a Proxy: `create_feature_extractor`) records the stock conv: a plan and a route are
     # chosen per call from the input's sizes and layout, which a Proxy does not have
     if type(input) is not Tensor and isinstance(input, Proxy): return stock(input, weight, bias)
+    # the plans and routes are the CPU's: a GPU's conv runs no Python for them (a few us a call on its host)
+    if input.device.type != 'cpu': return stock(input, weight, bias)
     plan = call_plan(conv, input, weight)
     if plan is None:
         if takes_pointwise_product(conv, input): return pointwise_product(conv, input, weight, bias)   # squeeze-excite's

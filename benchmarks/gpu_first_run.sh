@@ -8,10 +8,10 @@
 # against fp64, the offline compile report against the GPU's own JIT; each failure's traceback kept), then training
 # through fastai's own `Learner.fit` (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64,
 # bf16 and fp16, every setup issue 34 names, in rounds; the table last), then, if time is left, a fused layer step's
-# host time against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included) and the kernel
-# benchmarks.
+# host time against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included), the probe of
+# 'memory' in fp16 (benchmarks/probe_memory_fp16.py) and the kernel benchmarks.
 #
-#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests fit host kernels (default: all, in order)
+#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests fit host probe kernels (default: all, in order)
 #
 # BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests. fastai travels as wheels in .whl/, the kernels
 # in .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each
@@ -20,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${1:-gpu_first_run}; shift || true
-STEPS=${*:-build warm tests fit host kernels}
+STEPS=${*:-build warm tests fit host probe kernels}
 BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -35,12 +35,13 @@ step() {   # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   echo "== $name (at most ${limit}s): $*"
   # SIGINT first: pytest then prints its summary (failures, tracebacks) and the fit its table; killed 20 s later
-  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee "$OUT/$name.txt"
+  # (a log per name before any ':': setup:env and setup:build share one, since only 8 files come back from a device call)
+  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee -a "$OUT/${name%%:*}.txt"
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after ${SECONDS}s in all"
   [ "$rc" = 0 ] || failed=$((failed + 1))
 }
-step env 60 "$PY" -c "import torch, triton, fastai; print('torch', torch.__version__, 'triton', triton.__version__, \
+step setup:env 60 "$PY" -c "import torch, triton, fastai; print('torch', torch.__version__, 'triton', triton.__version__, \
 'fastai', fastai.__version__); print(torch.cuda.get_device_name(), 'sm_%d%d' % torch.cuda.get_device_capability(), \
 torch.cuda.get_device_properties(0).multi_processor_count, 'SMs')"
 for s in $STEPS; do
@@ -53,7 +54,7 @@ for s in $STEPS; do
 p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); print('carried kernels:', p.name)"; then
         echo "the carried kernels do not load here: compiled instead"; rm -f "${carried[@]}"; carried=()
       fi
-      step build 150 "$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))" ;;
+      step setup:build 150 "$PY" -c "from clfast import cpu_kernels; print(cpu_kernels.load(verbose=True))" ;;
     warm)
       if cc=$("$PY" -c "import torch; print('%d%d' % torch.cuda.get_device_capability())" 2>/dev/null); then
         step warm 90 "$PY" -m clfast.gpu_report --warm-only "$cc" --processes "$(nproc)"
@@ -72,11 +73,14 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
         step cuda-tests "$rest" "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short --durations=10 -m cuda \
           ${workers:+-n "$workers"} $(ls tests/test_*.py | grep -v -e test_timing -e test_host_cost -e test_gpu_report)
       else echo "== cuda-tests: not run (${rest}s of TESTS_S left)"; fi ;;
-    fit) step fit "$(left)" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 90 ))" ;;   # 60 s kept for host
+    fit) step fit "$(left)" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 150 ))" ;;   # kept for host and probe
     # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes
     host) [ "$(left)" -gt 60 ] && step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50 ;;
+    # probe: where 'memory' loses its time in fp16 and not in bf16 (0.64x against 0.87x stock on the H200): one layer
+    # step's kernels both dtypes, then a whole resnet50 step with and without GradScaler's sync before the optimizer
+    probe) [ "$(left)" -gt 95 ] && step probe "$(( $(left) - 65 < 90 ? $(left) - 65 : 90 ))" "$PY" benchmarks/probe_memory_fp16.py --step ;;
     kernels) [ "$(left)" -gt 60 ] && step kernels "$(( $(left) - 5 ))" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
-    *) echo "unknown step $s (build, warm, tests, fit, host, kernels)"; failed=$((failed + 1)) ;;
+    *) echo "unknown step $s (build, warm, tests, fit, host, probe, kernels)"; failed=$((failed + 1)) ;;
   esac
 done
 echo "== $failed step(s) failed in ${SECONDS}s; logs in $OUT/"

@@ -525,7 +525,7 @@ def test_one_sample_instance_norm_premise_and_guard(tmp_path, monkeypatch):
 
 @pytest.mark.cuda
 def test_one_sample_instance_norm_on_cuda_is_right():
-    "CUDA's stock instance norm of one sample, from a channels-last upstream gradient, against fp64 math: clfast guards CPU models only (`guard_model`), so it must be right there (unmeasured: no GPU when the CPU's bug was found)"
+    "CUDA's stock instance norm of one sample, from a channels-last upstream gradient, against fp64 math: clfast guards CPU models only (`guard_model`), so it must be right there (it was on an H200, torch 2.11)"
     assert not routes.one_sample_instance_norm_wrong('cuda')
 
 def instance_norm_learner():

@@ -11,7 +11,9 @@ def test_bench_gpu_fit_dry_run(capsys):
     out = capsys.readouterr().out
     table, after = out[out.index('| model |'):].strip().split('\n\n')
     table = table.splitlines()[2:]
-    assert len(table) == 5 and not any('failed' in r or 'not run' in r for r in table)
+    # the five setups, and stock channels-last again beside the eager 'speed' ways (a later group: `plan`)
+    assert len(table) == 6 and not any('failed' in r or 'not run' in r for r in table)
+    assert sum('stock channels-last, fastai AMP' in r for r in table) == 2
     # then what Triton's compiler did in the fits: nothing on the CPU, where the fused layers run clfast's C++ kernels
     assert after.startswith('Triton compiled 0 kernel specialization(s) in 0.0 s; 0 came from its on-disk cache'), after
     rows = {r.split(' | ')[3]: r.split(' | ') for r in table}

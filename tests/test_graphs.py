@@ -172,12 +172,14 @@ def _fp64_grads(model, xb, yb):
     nn.functional.cross_entropy(ref(xb.double().contiguous()), yb).backward()
     return {n: p.grad for n, p in ref.named_parameters()}
 
-def test_compile_fused_model_in_place_trains():
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=pytest.mark.cuda)])
+def test_compile_fused_model_in_place_trains(device):
     """compile=True compiles the learner's model in place (same object, same state_dict keys) and a fused model trains
-    under it (clfast's ops through their fakes): a compiled step's gradients against fp64; compile=False undoes it"""
+    under it (clfast's ops through their fakes; on CUDA inductor around the Triton kernels, which no GPU has run yet):
+    a compiled step's gradients against fp64; compile=False undoes it"""
     from clfast.check import grad_error
     torch.manual_seed(0)
-    learn = tiny_learner()
+    learn = tiny_learner() if device == 'cpu' else _cuda_learner()
     model, keys = learn.model, list(learn.model.state_dict())
     learn.to_channelslast(use_amp=False, fuse='speed', compile=True)
     assert learn.model is model and is_compiled(model) and list(model.state_dict()) == keys

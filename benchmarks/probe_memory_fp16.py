@@ -28,6 +28,7 @@ Recorder does `to_detach(loss.mean())`: one sync a step in every dtype). Variant
     python benchmarks/probe_memory_fp16.py                       # part 1 on CUDA (~15-30 s incl. Triton compiles)
     python benchmarks/probe_memory_fp16.py --step                # part 1 + part 2
     python benchmarks/probe_memory_fp16.py --step --only-step --stock
+    python benchmarks/probe_memory_fp16.py --only-step --eager-speed   # part 3: eager fuse='speed' at batch 64, the host's time
     TRITON_INTERPRET=1 python benchmarks/probe_memory_fp16.py --device cpu --dry --step   # CPU dry run of the logic
 """
 from __future__ import annotations
@@ -316,6 +317,68 @@ def part2(args, dev) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- part 3: eager 'speed' at a small batch
+def part3(args, dev) -> dict:
+    """Eager `fuse='speed'` at batch 64 ran 0.80x stock on the H200 with 'timed' running 21 of its 24 layer kinds the
+    stock way: where the host's time goes in a whole step, the fused model against the stock one, bf16. Per way: ms a
+    step, the layers' ways, the Python functions' own time (cProfile over a few steps: it slows both alike) and the
+    ATen ops' self CPU time (torch.profiler), each per step"""
+    import copy, cProfile, pstats, torchvision
+    from torch.profiler import profile, ProfilerActivity
+    from clfast.fuse import fuse_conv_bn
+    from clfast.fused import layer_ways
+    base = getattr(torchvision.models, args.model)().to(dev).to(memory_format=torch.channels_last)
+    g = torch.Generator().manual_seed(0)
+    xb = torch.randn(args.small_bs, 3, args.px, args.px, generator=g).to(dev).contiguous(memory_format=torch.channels_last)
+    yb = torch.randint(0, 1000, (args.small_bs,), generator=g).to(dev)
+    print(f"\n## eager 'speed' against stock: {args.model} bs {args.small_bs} {args.px} px bf16, {args.step_steps} timed steps",
+          flush=True)
+    out = {}
+    for way in ('stock', 'speed'):
+        try:
+            model = copy.deepcopy(base)
+            if way == 'speed': fuse_conv_bn(model, 'speed')
+            model.to(memory_format=torch.channels_last).train()
+            opt, _ = make_opt(model.parameters(), args.opt)
+            def step():
+                with torch.autocast(dev.type, dtype=torch.bfloat16): pred = model(xb)
+                F.cross_entropy(pred.float(), yb).backward()
+                opt.step(); opt.zero_grad()
+                pred.detach()[0, 0].item()   # fastai's Recorder: one sync a step
+            for _ in range(args.step_warm): step()   # 'timed' chooses each layer's way in the first steps
+            sync(dev)
+            t = time.perf_counter()
+            for _ in range(args.step_steps): step()
+            sync(dev)
+            ms = (time.perf_counter() - t) / args.step_steps * 1e3
+            n = 3
+            pr = cProfile.Profile(); pr.enable()
+            for _ in range(n): step()
+            sync(dev); pr.disable()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(n): step()
+                sync(dev)
+            ways = layer_ways()
+            kinds = f"; layer kinds: {sum(v == 'fused' for v in ways.values())} fused / {sum(v == 'stock' for v in ways.values())} stock" if way == 'speed' else ''
+            print(f"{way}: {ms:.1f} ms/step, {args.small_bs / ms * 1e3:.0f} img/s{kinds}", flush=True)
+            st = pstats.Stats(pr)
+            rows = sorted(((v[2] / n * 1e3, v[1] / n, f"{k[0].split('/')[-1]}:{k[1]}({k[2]})") for k, v in st.stats.items()), reverse=True)
+            print(f"  Python's own time a step (cProfile), top {args.top * 2}:")
+            for own, calls, name in rows[:args.top * 2]: print(f"    {own:8.2f} ms  x{calls:<6g} {name[:100]}")
+            ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.top * 2]
+            print(f"  ATen ops' self CPU time a step (torch.profiler), top {args.top * 2}:")
+            for e in ops: print(f"    {e.self_cpu_time_total / n / 1e3:8.2f} ms  x{e.count / n:<6g} {e.key[:100]}")
+            out[way] = dict(ms=ms, python=rows[:args.top * 2], ops=[(e.key, e.self_cpu_time_total / n, e.count / n) for e in ops])
+            del model, opt
+            if dev.type == 'cuda': torch.cuda.empty_cache()
+        except Exception as e:
+            print(f"{way}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+            out[way] = dict(error=f"{type(e).__name__}: {e}")
+    if 'ms' in out.get('stock', {}) and 'ms' in out.get('speed', {}):
+        print(f"   speed / stock step time: {out['speed']['ms'] / out['stock']['ms']:.2f}x")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--device', default='cuda')
@@ -328,6 +391,8 @@ def main(argv=None):
     p.add_argument('--cudnn-benchmark', action='store_true', help="cuDNN's algorithm search on (the fits ran without)")
     p.add_argument('--step', action='store_true', help="part 2: a whole resnet50 step, bf16 / bf16+sync / fp16+scaler / fp16-noscaler")
     p.add_argument('--only-step', action='store_true'); p.add_argument('--stock', action='store_true')
+    p.add_argument('--eager-speed', action='store_true', help="part 3: where eager fuse='speed' spends the host's time at --small-bs")
+    p.add_argument('--small-bs', type=int, default=64)
     p.add_argument('--model', default='resnet50'); p.add_argument('--bs', type=int, default=256); p.add_argument('--px', type=int, default=224)
     p.add_argument('--step-warm', type=int, default=5); p.add_argument('--step-steps', type=int, default=6)
     p.add_argument('--opt', default='fastai', choices=['fastai', 'emulated'])
@@ -337,7 +402,7 @@ def main(argv=None):
     if args.dry:
         args.n, args.hw, args.warm, args.prof_steps, args.time_steps = 2, 6, 1, 1, 2
         args.layer = args.layer or ['8,16,1,1,res', '8,8,3,1,none']
-        args.model, args.bs, args.px, args.step_warm, args.step_steps = 'resnet18', 2, 32, 1, 1
+        args.model, args.bs, args.small_bs, args.px, args.step_warm, args.step_steps = 'resnet18', 2, 2, 32, 1, 1
     args.layer = args.layer or ['64,256,1,1,res', '64,64,3,1,none']
     dev = torch.device(args.device)
     if dev.type == 'cuda':
@@ -349,6 +414,7 @@ def main(argv=None):
     res = {}
     if not args.only_step: res['layer'] = part1(args, dev, conv_bn_act)
     if args.step or args.only_step: res['step'] = part2(args, dev)
+    if args.eager_speed: res['eager_speed'] = part3(args, dev)
     print(f"\n# {time.perf_counter() - t0:.1f} s in all")
     if args.json:
         with open(args.json, 'w') as f: json.dump(res, f, indent=1, default=str)

@@ -9,7 +9,8 @@
 # through fastai's own `Learner.fit` (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64,
 # bf16 and fp16, every setup issue 34 names, in rounds; the table last), then, if time is left, a fused layer step's
 # host time against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included), the probe of
-# 'memory' in fp16 (benchmarks/probe_memory_fp16.py) and the kernel benchmarks.
+# the rows that lose ('memory' in fp16, eager 'speed' at batch 64: benchmarks/probe_slow_gpu_rows.py) and the kernel
+# benchmarks.
 #
 #   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests fit host probe kernels (default: all, in order)
 #
@@ -79,7 +80,7 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
     # probe: where 'memory' loses its time in fp16 and not in bf16 (0.64x against 0.87x stock on the H200): one layer
     # step's kernels both dtypes, then a whole resnet50 step with and without GradScaler's sync before the optimizer;
     # and where eager 'speed' spends the host's time at batch 64 (0.80x stock there)
-    probe) [ "$(left)" -gt 95 ] && step probe "$(( $(left) - 60 < 110 ? $(left) - 60 : 110 ))" "$PY" benchmarks/probe_memory_fp16.py --step --eager-speed ;;
+    probe) [ "$(left)" -gt 95 ] && step probe "$(( $(left) - 60 < 110 ? $(left) - 60 : 110 ))" "$PY" benchmarks/probe_slow_gpu_rows.py --step --eager-speed ;;
     kernels) [ "$(left)" -gt 60 ] && step kernels "$(( $(left) - 5 ))" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
     *) echo "unknown step $s (build, warm, tests, fit, host, probe, kernels)"; failed=$((failed + 1)) ;;
   esac

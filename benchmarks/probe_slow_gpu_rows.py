@@ -1,5 +1,7 @@
 #!/usr/bin/env python
-"""Where does clfast's fuse='memory' lose time in fp16 that it does not in bf16? (plain torch + clfast; no fastai needed)
+"""The GPU rows that lose, probed: where clfast's fuse='memory' loses time in fp16 that it does not in bf16 (parts 1
+and 2), and where eager fuse='speed' spends the host's time at a small batch (part 3). Plain torch + clfast (fastai's
+Adam where fastai imports)
 
 Part 1, always: one fused layer step (forward + backward) in 'memory' mode under autocast, bf16 vs fp16, at resnet50
 layer shapes (default: layer1's conv3 64->256 1x1 + BN + add + ReLU, and its conv2 64->64 3x3 + BN + ReLU, N=256,
@@ -25,11 +27,11 @@ Recorder does `to_detach(loss.mean())`: one sync a step in every dtype). Variant
   of backward no longer overlaps the Python optimizer) is the cost; fp16-noscaler >> bf16 => the fp16 kernels are.
   `--stock` adds the same variants for the unfused model. Cost on a cold Triton cache: ~30 specializations per dtype.
 
-    python benchmarks/probe_memory_fp16.py                       # part 1 on CUDA (~15-30 s incl. Triton compiles)
-    python benchmarks/probe_memory_fp16.py --step                # part 1 + part 2
-    python benchmarks/probe_memory_fp16.py --step --only-step --stock
-    python benchmarks/probe_memory_fp16.py --only-step --eager-speed   # part 3: eager fuse='speed' at batch 64, the host's time
-    TRITON_INTERPRET=1 python benchmarks/probe_memory_fp16.py --device cpu --dry --step   # CPU dry run of the logic
+    python benchmarks/probe_slow_gpu_rows.py                       # part 1 on CUDA (~15-30 s incl. Triton compiles)
+    python benchmarks/probe_slow_gpu_rows.py --step                # part 1 + part 2
+    python benchmarks/probe_slow_gpu_rows.py --step --only-step --stock
+    python benchmarks/probe_slow_gpu_rows.py --only-step --eager-speed   # part 3: eager fuse='speed' at batch 64, the host's time
+    TRITON_INTERPRET=1 python benchmarks/probe_slow_gpu_rows.py --device cpu --dry --step   # CPU dry run of the logic
 """
 from __future__ import annotations
 import argparse, json, os, statistics, sys, time

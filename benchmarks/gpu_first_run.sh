@@ -74,13 +74,15 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
         step cuda-tests "$rest" "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short --durations=10 -m cuda \
           ${workers:+-n "$workers"} $(ls tests/test_*.py | grep -v -e test_timing -e test_host_cost -e test_gpu_report)
       else echo "== cuda-tests: not run (${rest}s of TESTS_S left)"; fi ;;
-    fit) step fit "$(left)" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 170 ))" ;;   # kept for host and probe
+    # the fit: groups started until `--budget` (a group runs on past it, about 45 s), stopped at the step's limit (SIGINT:
+    # it still prints its table); what is left is the host's and the probe's
+    fit) step fit "$(( $(left) - 130 ))" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 190 ))" ;;
     # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes
     host) [ "$(left)" -gt 60 ] && step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50 ;;
     # probe: where 'memory' loses its time in fp16 and not in bf16 (0.64x against 0.87x stock on the H200): one layer
     # step's kernels both dtypes, then a whole resnet50 step with and without GradScaler's sync before the optimizer;
     # and where eager 'speed' spends the host's time at batch 64 (0.80x stock there)
-    probe) [ "$(left)" -gt 95 ] && step probe "$(( $(left) - 60 < 110 ? $(left) - 60 : 110 ))" "$PY" benchmarks/probe_slow_gpu_rows.py --step --eager-speed ;;
+    probe) [ "$(left)" -gt 60 ] && step probe "$(( $(left) - 25 < 110 ? $(left) - 25 : 110 ))" "$PY" benchmarks/probe_slow_gpu_rows.py --step --eager-speed ;;
     kernels) [ "$(left)" -gt 60 ] && step kernels "$(( $(left) - 5 ))" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
     *) echo "unknown step $s (build, warm, tests, fit, host, probe, kernels)"; failed=$((failed + 1)) ;;
   esac

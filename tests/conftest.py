@@ -14,7 +14,8 @@ class _TritonCompiles:
     """On a GPU: what Triton's compiler cost the run (the GPU script's lease pays for it), said with pytest's summary.
     A measurement beside the tests: where it cannot be set up, the tests run all the same and the summary says why.
     Under pytest-xdist (the GPU script's parallel step) each worker counts its own, and the summary says their sum"""
-    def __init__(self, config): self.config, self.stack, self.count, self.workers = config, contextlib.ExitStack(), None, []
+    def __init__(self, config):
+        self.config, self.stack, self.count, self.workers, self.started = config, contextlib.ExitStack(), None, [], 0
     def pytest_sessionstart(self, session):
         try:
             from clfast.gpu_report import counting_compiles
@@ -26,16 +27,18 @@ class _TritonCompiles:
         if out is not None and not isinstance(self.count, str):
             c = self.count
             out['triton_compiles'] = dict(compiled=dict(c.compiled), cached=dict(c.cached), seconds=c.seconds)
-    @pytest.hookimpl(optionalhook=True)   # an xdist hook: no error where xdist is not installed
+    @pytest.hookimpl(optionalhook=True)   # xdist's hooks: no error where xdist is not installed
+    def pytest_testnodeready(self, node): self.started += 1
+    @pytest.hookimpl(optionalhook=True)   # (a worker stopped, as the GPU script's time limit does, reports nothing)
     def pytest_testnodedown(self, node, error):
         got = getattr(node, 'workeroutput', {}).get('triton_compiles')
         if got is not None: self.workers.append(got)
     def pytest_terminal_summary(self, terminalreporter):
         self.stack.close()
         c = self.count
-        if self.workers and not isinstance(c, str):
+        if self.started and not isinstance(c, str):
             for w in self.workers: c.compiled.update(w['compiled']); c.cached.update(w['cached']); c.seconds += w['seconds']
-            c = f"{c} (summed over {len(self.workers)} processes)"
+            c = f"{c} (summed over the {len(self.workers)} of {self.started} processes that reported)"
         terminalreporter.write_line(str(c))
 
 def pytest_configure(config):

@@ -4,14 +4,14 @@ from torch import nn
 from fastai.vision.all import (DataLoaders, Learner, ConvLayer, Flatten, CrossEntropyLossFlat, Adam, Callback,
                                TensorImage, TensorCategory)
 
-def image_dls(n=48, c=3, size=16, n_out=2, bs=16, seed=0):
-    "Random images with learnable labels (class = sign of the mean of channel 0)"
+def image_dls(n=48, c=3, size=16, n_out=2, bs=16, seed=0, **kwargs):
+    "Random images with learnable labels (class = sign of the mean of channel 0); `kwargs` to fastai's loaders"
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, c, size, size, generator=g)
     y = (x[:, 0].mean((1, 2)) > 0).long() % n_out
     x, y = TensorImage(x), TensorCategory(y)
     cut = n * 3 // 4
-    return DataLoaders.from_dsets(list(zip(x[:cut], y[:cut])), list(zip(x[cut:], y[cut:])), bs=bs, device='cpu')
+    return DataLoaders.from_dsets(list(zip(x[:cut], y[:cut])), list(zip(x[cut:], y[cut:])), bs=bs, device='cpu', **kwargs)
 
 def conv_net(c=3, n_out=2):
     return nn.Sequential(ConvLayer(c, 8), ConvLayer(8, 16, stride=2), nn.AdaptiveAvgPool2d(1), Flatten(), nn.Linear(16, n_out))

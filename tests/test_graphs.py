@@ -213,8 +213,10 @@ def test_first_error_names_what_failed_inside_a_capture():
 # ---- on a CUDA GPU ----
 
 def _cuda_learner(n=160, bs=16, **kw):
-    "A CUDA learner whose training epoch has 7 full batches (steady: captured after WARM_STEPS) and a short last one"
-    learn = Learner(image_dls(n=n, bs=bs), conv_net(), loss_func=CrossEntropyLossFlat(), opt_func=Adam, **kw)
+    """A CUDA learner whose training epoch has 7 full batches (steady: captured after WARM_STEPS) and a short last one;
+    its loaders in the process (fastai's default: a worker per core, 16 on a GPU machine, forked from a CUDA process
+    by each of the GPU script's 8 test processes; one such worker was lost on the H200)"""
+    learn = Learner(image_dls(n=n, bs=bs, num_workers=0), conv_net(), loss_func=CrossEntropyLossFlat(), opt_func=Adam, **kw)
     learn.dls.cuda(); learn.model.cuda()
     return learn
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The GPU rows that lose, probed: where clfast's fuse='memory' loses time in fp16 that it does not in bf16 (parts 1
-and 2), and where eager fuse='speed' spends the host's time at a small batch (part 3). Plain torch + clfast (fastai's
-Adam where fastai imports)
+and 2), and where eager fuse='speed' spends the host's time at a small batch (part 3). Plain torch, clfast and
+fastai's Adam: no Learner
 
 Part 1, always: one fused layer step (forward + backward) in 'memory' mode under autocast, bf16 vs fp16, at resnet50
 layer shapes (default: layer1's conv3 64->256 1x1 + BN + add + ReLU, and its conv2 64->64 3x3 + BN + ReLU, N=256,
@@ -15,8 +15,7 @@ layer shapes (default: layer1's conv3 64->256 1x1 + BN + add + ReLU, and its con
   35% slower step: the cost is the step around it (GradScaler's sync; part 2).
 
 Part 2, `--step`: a whole torchvision resnet50 step fused in 'memory' mode (b256, 224 px), as fastai's fit runs it:
-autocast forward, loss, (scaled) backward, a per-parameter Python Adam (fastai's own if fastai is importable, else an
-emulation of its per-parameter loop), zero_grad, and the loss copied to the host at the end of every step (fastai's
+autocast forward, loss, (scaled) backward, fastai's per-parameter Python Adam, zero_grad, and the loss copied to the host at the end of every step (fastai's
 Recorder does `to_detach(loss.mean())`: one sync a step in every dtype). Variants:
   bf16                      no scaler (fastai's bf16)
   bf16+sync                 bf16 with a torch.cuda.synchronize() between backward and the optimizer step (what
@@ -30,11 +29,11 @@ Recorder does `to_detach(loss.mean())`: one sync a step in every dtype). Variant
     python benchmarks/probe_slow_gpu_rows.py                       # part 1 on CUDA (~15-30 s incl. Triton compiles)
     python benchmarks/probe_slow_gpu_rows.py --step                # part 1 + part 2
     python benchmarks/probe_slow_gpu_rows.py --step --only-step --stock
-    python benchmarks/probe_slow_gpu_rows.py --only-step --eager-speed   # part 3: eager fuse='speed' at batch 64, the host's time
+    python benchmarks/probe_slow_gpu_rows.py --only-step --eager-speed   # parts 2 and 3 (3: eager 'speed' at batch 64)
     TRITON_INTERPRET=1 python benchmarks/probe_slow_gpu_rows.py --device cpu --dry --step   # CPU dry run of the logic
 """
 from __future__ import annotations
-import argparse, json, os, statistics, sys, time
+import argparse, contextlib, json, os, sys, time
 from collections import defaultdict
 
 if '--device' in sys.argv and sys.argv[sys.argv.index('--device') + 1] == 'cpu':
@@ -45,18 +44,6 @@ import torch.nn.functional as F
 from torch import nn
 
 DTYPES = {'bf16': torch.bfloat16, 'fp16': torch.float16}
-
-
-def setup_clfast(dev: torch.device):
-    """Import clfast's fused op without loading (or building) the C++ CPU library: on CUDA the Triton kernels need none;
-    on the CPU (a dry run) the Triton kernels serve the CPU, interpreted, as `CLFAST_KERNELS=triton` would"""
-    from clfast import ops
-    ops._loaded.setdefault('cpu', 'probe: C++ library not loaded')   # kernels_ready('cpu') then builds nothing
-    if dev.type == 'cpu':
-        assert os.environ.get('TRITON_INTERPRET') == '1', "a CPU run needs TRITON_INTERPRET=1 before triton is imported"
-        ops._FORCED.append(ops._serve('triton'))
-    from clfast.fused import conv_bn_act
-    return conv_bn_act
 
 
 def sync(dev):
@@ -215,40 +202,10 @@ def part1(args, dev, conv_bn_act) -> dict:
 
 
 # ---------------------------------------------------------------- part 2: a whole step
-class EmulatedAdam:
-    "fastai's non-foreach Adam's host pattern: per parameter, callbacks over merged dicts, ~9 small in-place ops"
-    def __init__(self, params, lr=1e-4, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01):
-        self.params = [p for p in params if p.requires_grad]
-        self.hyper = dict(lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
-        self.state = {p: {} for p in self.params}
-        self.param_groups = [dict(params=self.params, **self.hyper)]   # GradScaler's view
-
-    def step(self, *a, **k):
-        for p in self.params:
-            if p.grad is None: continue
-            st, h = self.state[p], {**self.hyper}
-            p.data.mul_(1 - h['lr'] * h['wd'])
-            ga = st.get('grad_avg');  ga = st['grad_avg'] = torch.zeros_like(p) if ga is None else ga
-            ga.mul_(h['mom']).add_(p.grad.data, alpha=1 - h['mom'])
-            sa = st.get('sqr_avg');  sa = st['sqr_avg'] = torch.zeros_like(p) if sa is None else sa
-            sa.mul_(h['sqr_mom']).addcmul_(p.grad.data, p.grad.data, value=1 - h['sqr_mom'])
-            st['step'] = n = st.get('step', 0) + 1
-            d1, d2 = 1 - h['mom'] ** n, 1 - h['sqr_mom'] ** n
-            p.data.addcdiv_(ga, (sa / d2).sqrt() + h['eps'], value=-h['lr'] / d1)
-
-    def zero_grad(self):
-        for p in self.params:
-            if p.grad is not None: p.grad.detach_(); p.grad.zero_()
-
-
-def make_opt(params, which: str):
-    if which == 'fastai':
-        try:
-            from fastai.optimizer import Adam
-            return Adam(list(params), lr=1e-4), 'fastai Adam'
-        except Exception as e:
-            print(f"(fastai's Adam not importable: {type(e).__name__}; emulating it)")
-    return EmulatedAdam(params), 'emulated fastai-style Adam'
+def adam(model):
+    "fastai's Adam, as `Learner` makes it (a per-parameter Python loop: the host pattern the fits run)"
+    from fastai.optimizer import Adam
+    return Adam(list(model.parameters()), lr=1e-4)
 
 
 def part2(args, dev) -> dict:
@@ -271,7 +228,7 @@ def part2(args, dev) -> dict:
                 model = copy.deepcopy(base)
                 if way == 'memory': fuse_conv_bn(model, 'memory')
                 model.to(memory_format=torch.channels_last).train()
-                opt, opt_name = make_opt(model.parameters(), args.opt)
+                opt = adam(model)
                 scaler = torch.amp.GradScaler(dev.type, init_scale=args.init_scale, enabled=scaler_on)
                 phases = defaultdict(float)
 
@@ -303,10 +260,10 @@ def part2(args, dev) -> dict:
                 sync(dev)
                 ms = (time.perf_counter() - t) / args.step_steps * 1e3
                 ph = {k: v if k.startswith('skipped') else v / args.step_steps * 1e3 for k, v in phases.items()}
-                out[key] = dict(ms=ms, img_s=args.bs / ms * 1e3, phases=ph, opt=opt_name,
+                out[key] = dict(ms=ms, img_s=args.bs / ms * 1e3, phases=ph,
                                 peak_gib=torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == 'cuda' else None)
                 print(f"{key:<24} {ms:8.1f} ms/step  {args.bs / ms * 1e3:7.0f} img/s   host phases: " +
-                      ", ".join(f"{k} {v:.1f}" + ('' if k.startswith('skipped') else ' ms') for k, v in ph.items()) + f"   ({opt_name})", flush=True)
+                      ", ".join(f"{k} {v:.1f}" + ('' if k.startswith('skipped') else ' ms') for k, v in ph.items()), flush=True)
                 del model, opt, scaler
                 if dev.type == 'cuda': torch.cuda.empty_cache(); torch.cuda.reset_peak_memory_stats(dev)
             except Exception as e:
@@ -341,7 +298,7 @@ def part3(args, dev) -> dict:
             model = copy.deepcopy(base)
             if way == 'speed': fuse_conv_bn(model, 'speed')
             model.to(memory_format=torch.channels_last).train()
-            opt, _ = make_opt(model.parameters(), args.opt)
+            opt = adam(model)
             def step():
                 with torch.autocast(dev.type, dtype=torch.bfloat16): pred = model(xb)
                 F.cross_entropy(pred.float(), yb).backward()
@@ -398,7 +355,6 @@ def main(argv=None):
     p.add_argument('--small-bs', type=int, default=64)
     p.add_argument('--model', default='resnet50'); p.add_argument('--bs', type=int, default=256); p.add_argument('--px', type=int, default=224)
     p.add_argument('--step-warm', type=int, default=5); p.add_argument('--step-steps', type=int, default=6)
-    p.add_argument('--opt', default='fastai', choices=['fastai', 'emulated'])
     p.add_argument('--init-scale', type=float, default=2.**16, help="GradScaler's (fastai's default 65536)")
     p.add_argument('--json', help="write the results here")
     args = p.parse_args(argv)
@@ -412,12 +368,16 @@ def main(argv=None):
         if not torch.cuda.is_available(): sys.exit("no CUDA device (use --device cpu --dry for a CPU check)")
         print(f"# {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, cudnn {torch.backends.cudnn.version()}")
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
-    conv_bn_act = setup_clfast(dev)
+    from clfast import ops
+    from clfast.fused import conv_bn_act
+    # a CPU dry run: the Triton kernels serve the CPU, interpreted (the CUDA code path); on CUDA they serve it anyway
+    serving = ops.kernels_from('triton', 'CPU') if dev.type == 'cpu' else contextlib.nullcontext()
     t0 = time.perf_counter()
     res = {}
-    if not args.only_step: res['layer'] = part1(args, dev, conv_bn_act)
-    if args.step or args.only_step: res['step'] = part2(args, dev)
-    if args.eager_speed: res['eager_speed'] = part3(args, dev)
+    with serving:
+        if not args.only_step: res['layer'] = part1(args, dev, conv_bn_act)
+        if args.step or args.only_step: res['step'] = part2(args, dev)
+        if args.eager_speed: res['eager_speed'] = part3(args, dev)
     print(f"\n# {time.perf_counter() - t0:.1f} s in all")
     if args.json:
         with open(args.json, 'w') as f: json.dump(res, f, indent=1, default=str)

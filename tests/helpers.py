@@ -4,13 +4,14 @@ from torch import nn
 from fastai.vision.all import (DataLoaders, Learner, ConvLayer, Flatten, CrossEntropyLossFlat, Adam, Callback,
                                TensorImage, TensorCategory)
 
-def image_dls(n=48, c=3, size=16, n_out=2, bs=16, seed=0, **kwargs):
-    "Random images with learnable labels (class = sign of the mean of channel 0); `kwargs` to fastai's loaders"
+def image_dls(n=48, c=3, size=16, n_out=2, bs=16, seed=0, n_train=None, **kwargs):
+    """Random images with learnable labels (class = sign of the mean of channel 0), `size` square or (height, width);
+    the first `n_train` (default: three quarters) to train on; `kwargs` to fastai's loaders"""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, c, size, size, generator=g)
+    x = torch.randn(n, c, *((size, size) if isinstance(size, int) else size), generator=g)
     y = (x[:, 0].mean((1, 2)) > 0).long() % n_out
     x, y = TensorImage(x), TensorCategory(y)
-    cut = n * 3 // 4
+    cut = n * 3 // 4 if n_train is None else n_train
     return DataLoaders.from_dsets(list(zip(x[:cut], y[:cut])), list(zip(x[cut:], y[cut:])), bs=bs, device='cpu', **kwargs)
 
 def conv_net(c=3, n_out=2):

@@ -6,8 +6,7 @@ from torch import nn
 from hypothesis import given, settings, example, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
-from fastai.vision.all import (ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam, Callback, DataLoaders,
-                               TensorImage, TensorCategory, NormType)
+from fastai.vision.all import ConvLayer, Flatten, Learner, CrossEntropyLossFlat, Adam, Callback, NormType
 import clfast.callback  # noqa: F401  (patches Learner)
 from clfast import bad_kernels, guard, routes, check, timing
 from clfast.machine import onednn_isa, isa_env, MachineCache
@@ -464,19 +463,11 @@ def test_a_conv_dilated_along_a_size_one_kernel_dim_runs_undilated():
     assert len(rows) == 4 and all(name == 'GuardedConv2d' for name, *_ in rows), r.stdout
     for name, dtype, err in rows: assert float(err) < (1e-5 if dtype == 'torch.float32' else 2**-6), (dtype, err)
 
-def random_image_learner(net:nn.Module, shape:tuple, n_train:int, bs:int) -> Learner:
-    "A fastai Learner training `net` on seeded random images of `shape` (the first `n_train` to train on), two classes"
-    g = torch.Generator().manual_seed(0)
-    x = TensorImage(torch.randn(shape, generator=g))
-    y = TensorCategory((x[:, 0].mean((1, 2)) > 0).long())
-    dls = DataLoaders.from_dsets(list(zip(x[:n_train], y[:n_train])), list(zip(x[n_train:], y[n_train:])), bs=bs, device='cpu')
-    return Learner(dls, net, loss_func=CrossEntropyLossFlat(), opt_func=Adam)
-
 def narrow_map_learner():
     "A fastai Learner on 8x1 images whose convs are in both narrow-map classes: a 3x3 stride-2 ConvLayer, then a grouped conv"
     net = nn.Sequential(ConvLayer(3, 8, ks=3, stride=2), nn.Conv2d(8, 16, (1, 2), stride=(1, 2), padding=(0, 1), groups=8),
                         nn.AdaptiveAvgPool2d(1), Flatten(), nn.Linear(16, 2))
-    return random_image_learner(net, (48, 3, 8, 1), 32, bs=16)
+    return Learner(image_dls(48, size=(8, 1), n_train=32), net, loss_func=CrossEntropyLossFlat(), opt_func=Adam)
 
 class _FirstGrads(Callback):
     "Keeps the first batch and the model's gradients on it"
@@ -535,7 +526,7 @@ def instance_norm_learner():
         def forward(self, x): return x + self.body(x)
     net = nn.Sequential(ConvLayer(3, 8, norm_type=NormType.Instance), nn.Conv2d(8, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True),
                         Residual(), nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(1), Flatten(), nn.Linear(8, 2))
-    return random_image_learner(net, (6, 3, 8, 8), 4, bs=1)
+    return Learner(image_dls(6, size=8, bs=1, n_train=4), net, loss_func=CrossEntropyLossFlat(), opt_func=Adam)
 
 @pytest.mark.parametrize('use_amp', [True, False], ids=['default', 'fp32'])
 def test_one_sample_instance_norm_learner_trains_as_fp64(use_amp):

@@ -6,14 +6,19 @@
 # --warm-only CC`: about 25 s; it serves the launches where their cache keys are the offline compile's, which a CUDA
 # test checks, and the tests' and the fit's compile counts show), the CUDA tests (the Triton kernels and CUDA graphs
 # against fp64, the offline compile report against the GPU's own JIT; each failure's traceback kept), then training
+# the probe of the rows that lose ('memory' in fp16, eager 'speed' at batch 64: benchmarks/probe_slow_gpu_rows.py),
+# the kernels' tilings against the default (benchmarks/sweep_kernel_tiles.py: each pass's fraction of a copy's
+# bandwidth, issue 34 item 5), a fused layer step's host time against stock's (`python -m clfast.host_cost --device
+# cuda`, Triton's launches included), the kernel benchmarks against stock cuDNN, and last, with what is left, training
 # through fastai's own `Learner.fit` (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64,
-# bf16 and fp16, every setup issue 34 names, in rounds; the table last), then, if time is left, a fused layer step's
-# host time against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included), the probe of
-# the rows that lose ('memory' in fp16, eager 'speed' at batch 64: benchmarks/probe_slow_gpu_rows.py) and the kernel
-# benchmarks.
+# bf16 and fp16, every setup issue 34 names, in rounds; the table last).
 #
-#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests fit host probe kernels (default: all, in order)
+#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests probe tiles host kernels fit
+#                                                       # (default: all, in that order)
 #
+# One call of 10 minutes runs every step but leaves the fit about a minute; a session's second call gives the fit its
+# own (`BUDGET=300 bash benchmarks/gpu_first_run.sh OUT build warm fit`; FIT_ARGS, e.g. "--models efficientnet_b0
+# --dtypes float16", go to bench_gpu_fit.py: the groups a run has not measured yet first).
 # BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests. fastai travels as wheels in .whl/, the kernels
 # in .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each
 # step is logged in OUT/ whatever the one before did; the exit status is the number of failed steps.
@@ -21,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${1:-gpu_first_run}; shift || true
-STEPS=${*:-build warm tests fit host probe kernels}
+STEPS=${*:-build warm tests probe tiles host kernels fit}
 BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -75,16 +80,23 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
           ${workers:+-n "$workers"} $(ls tests/test_*.py | grep -v -e test_timing -e test_host_cost -e test_gpu_report)
       else echo "== cuda-tests: not run (${rest}s of TESTS_S left)"; fi ;;
     # the fit: groups started until `--budget` (a group runs on past it, about 45 s), stopped at the step's limit (SIGINT:
-    # it still prints its table); what is left is the host's and the probe's
-    fit) step fit "$(( $(left) - 130 ))" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( $(left) - 190 ))" ;;
+    # it still prints its table); 130 s kept for the steps after it, where any follow
+    fit) keep=$(case " $STEPS " in *" fit "[a-z]*) echo 130 ;; *) echo 10 ;; esac)
+         [ "$(( $(left) - keep ))" -gt 60 ] && step fit "$(( $(left) - keep ))" "$PY" benchmarks/bench_gpu_fit.py \
+           --budget "$(( $(left) - keep - 60 ))" ${FIT_ARGS:-} ;;
     # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes
     host) [ "$(left)" -gt 60 ] && step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50 ;;
     # probe: where 'memory' loses its time in fp16 and not in bf16 (0.64x against 0.87x stock on the H200): one layer
     # step's kernels both dtypes, then a whole resnet50 step with and without GradScaler's sync before the optimizer;
     # and where eager 'speed' spends the host's time at batch 64 (0.80x stock there)
     probe) [ "$(left)" -gt 60 ] && step probe "$(( $(left) - 25 < 110 ? $(left) - 25 : 110 ))" "$PY" benchmarks/probe_slow_gpu_rows.py --step --eager-speed ;;
-    kernels) [ "$(left)" -gt 60 ] && step kernels "$(( $(left) - 5 ))" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
-    *) echo "unknown step $s (build, warm, tests, fit, host, probe, kernels)"; failed=$((failed + 1)) ;;
+    # tiles: each tiling setting on either side of the default, then the best together (its own compiles first, in a
+    # process per core); it stops starting shapes at its --budget and prints what it measured
+    tiles) lim=$(( $(left) - 25 < 100 ? $(left) - 25 : 100 ))
+           [ "$lim" -gt 40 ] && step tiles "$lim" "$PY" benchmarks/sweep_kernel_tiles.py --budget "$(( lim - 15 ))" ;;
+    kernels) lim=$(( $(left) - 5 < 60 ? $(left) - 5 : 60 ))
+             [ "$lim" -gt 30 ] && step kernels "$lim" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
+    *) echo "unknown step $s (build, warm, tests, probe, tiles, host, kernels, fit)"; failed=$((failed + 1)) ;;
   esac
 done
 echo "== $failed step(s) failed in ${SECONDS}s; logs in $OUT/"

@@ -13,8 +13,8 @@ from .reference import acc_dtype
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['LAUNCH_WAYS', 'launch_way', 'launching', 'stats', 'fwd', 'bwd', 'layer_fwd', 'batch_stats', 'update_running',
-           'layer_bwd']
+__all__ = ['LAUNCH_WAYS', 'launch_way', 'Tiles', 'tiling', 'launching', 'stats', 'fwd', 'bwd', 'layer_fwd', 'batch_stats',
+           'update_running', 'layer_bwd']
 
 # %% ../nbs/20_triton_kernels.ipynb #9f53cb16
 @triton.jit
@@ -339,35 +339,53 @@ def _bwd_dx(g_ptr, x_ptr, prm_ptr, bd_ptr, res_ptr, out_ptr, k_ptr, dy_ptr, dres
         tl.store(dy_ptr + offs, dy.to(dy_ptr.dtype.element_ty), mask=mask)
     if WANT_DRES: tl.store(dres_ptr + offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
 
-# %% ../nbs/20_triton_kernels.ipynb #61c9bf2e
-_TILE, _REDUCE_TILE, _STATS_UNROLL, _BWD_UNROLL = 4096, 2048, 4, 2
-# warps per kernel, from the compile report: 8 halve `_fwd`'s and `_bwd_sums`' live values per thread (an fp32 tile
-# and its residual spilled at 4 on sm_80), 4 keep more bytes in flight for the other two; and 4 for the backward's sums
-# that read act' from the output or need no coefficients (eval): at 8, sm_80's bf16 relu6-from-output specializations
-# spilled two registers (the sums' last program holds more pointers than `_bwd_partial` did)
-_WARPS = dict(stats=4, fwd=8, bwd=8, bwd_light=4, dx=4)
+# %% ../nbs/20_triton_kernels.ipynb #4d1e9b89
+class Tiles(NamedTuple):
+    """How the kernels cut the `[M, C]` rows, whatever the shape (`_plan` works out each shape's cut from it). The
+    defaults are the compile report's (`clfast/KERNELS.md`: no spill, enough bytes in flight on sm_80/90/100);
+    `tiling` runs a block under others, which `benchmarks/sweep_kernel_tiles.py` times on a GPU"""
+    tile: int = 4096          # elements of an elementwise program's tile (`_fwd`, `_bwd_dx`): BLOCK_M = tile / BLOCK_C
+    reduce_tile: int = 2048   # elements of a reduction's accumulator tile (`_stats`, `_bwd_sums`)
+    stats_unroll: int = 4     # accumulator tiles `_stats` loads before it adds them: more bytes in flight, same registers
+    bwd_unroll: int = 2       # the same for `_bwd_sums`, which also holds dz and the activation's derivative
+    max_block_c: int = 64     # channels a tile spans at most (BLOCK_C, a power of two from 16)
+    programs: int = 1024      # programs a reduction's grid aims at: a large GPU filled several times over, and a
+                              # short sum of the partials for its last program
+    # warps per kernel, from the compile report: 8 halve `_fwd`'s and `_bwd_sums`' live values per thread (an fp32
+    # tile and its residual spilled at 4 on sm_80), 4 keep more bytes in flight for the other two; and 4 for the
+    # backward's sums that read act' from the output or need no coefficients (eval): at 8, sm_80's bf16
+    # relu6-from-output specializations spilled two registers
+    warps_stats: int = 4
+    warps_fwd: int = 8
+    warps_bwd: int = 8
+    warps_bwd_light: int = 4
+    warps_dx: int = 4
+
+_tiles = Tiles()
+
+@contextlib.contextmanager
+def tiling(tiles:Tiles):
+    "Inside the block the kernels cut their rows as `tiles` says (a launch's specialization follows: Triton compiles each new one)"
+    global _tiles
+    if not isinstance(tiles, Tiles): raise TypeError(f"tiles must be a clfast.triton_kernels.Tiles, got {type(tiles).__name__}")
+    old, _tiles = _tiles, tiles
+    _plan.cache_clear()
+    try: yield
+    finally:
+        _tiles = old
+        _plan.cache_clear()
 
 # host arithmetic in plain Python: `triton.cdiv` and `triton.next_power_of_2` are ConstexprFunctions, ~1.5 us a call
 # from host code, and a layer step's launch code made 26 such calls (~40 us of its host time)
 def _cdiv(a:int, b:int) -> int: return -(-a // b)
 def _pow2(n:int) -> int: return 1 << max(n - 1, 0).bit_length()
 
-def _blocks(c:int):
-    "Tile sizes `(BLOCK_M, BLOCK_C)` for `c` channels: `_TILE` elements"
-    bc = max(16, min(64, _pow2(c)))
-    return _TILE // bc, bc
-
-def _reduce_blocks(c:int):
-    "`(BLOCK_M, BLOCK_C)` of the reductions' tiles for `c` channels: `_REDUCE_TILE` elements"
-    bc = max(16, min(64, _pow2(c)))
-    return _REDUCE_TILE // bc, bc
-
 def _align(c:int) -> int:
     "The largest power of two up to 16 that divides `c`: kernels get `c // _align(c)` and `C_ALIGN=_align(c)`"
     return math.gcd(c, 16)
 
-def _slabs(m:int, c:int, bm:int, bc:int, target:int=1024):
-    "Rows per reduction program (a multiple of `bm`) and the number of programs `P` (none for no rows)"
+def _slabs(m:int, c:int, bm:int, bc:int, target:int):
+    "Rows per reduction program (a multiple of `bm`) and the number of programs `P` (none for no rows), for about `target` programs"
     if m == 0: return bm, 0
     n_c = _cdiv(c, bc)
     p = max(1, min(_cdiv(target, n_c), _cdiv(m, bm)))
@@ -375,7 +393,7 @@ def _slabs(m:int, c:int, bm:int, bc:int, target:int=1024):
     return rows_per, _cdiv(m, rows_per)
 
 class _Plan(NamedTuple):
-    "How the kernels cut `m` rows of `c` channels: every launch's tiles and grid"
+    "How the kernels cut `m` rows of `c` channels: every launch's tiles, grid and warps"
     cq: int          # the channel count as the kernels get it, `c = cq * align`
     align: int
     bc: int          # BLOCK_C, every kernel's
@@ -387,14 +405,16 @@ class _Plan(NamedTuple):
     stats_p: int
     bwd_rows: int
     bwd_p: int
+    tiles: Tiles     # what the plan was cut by (the unrolls and the warps)
 
 @functools.lru_cache(maxsize=512)
 def _plan(m:int, c:int) -> _Plan:
-    "The `_Plan` of `m` rows of `c` channels, worked out once per shape (a layer step's launch code spent ~10 us on it)"
-    bm, bc = _blocks(c)
-    rbm, n_c, al = _reduce_blocks(c)[0], _cdiv(c, bc), _align(c)
-    return _Plan(c // al, al, bc, n_c, bm, (_cdiv(m, bm), n_c), rbm, *_slabs(m, c, rbm * _STATS_UNROLL, bc),
-                 *_slabs(m, c, rbm * _BWD_UNROLL, bc))
+    "The `_Plan` of `m` rows of `c` channels under `_tiles`, worked out once per shape (a layer step's launch code spent ~10 us on it)"
+    t = _tiles
+    bc = max(16, min(t.max_block_c, _pow2(c)))
+    bm, rbm, n_c, al = t.tile // bc, t.reduce_tile // bc, _cdiv(c, bc), _align(c)
+    return _Plan(c // al, al, bc, n_c, bm, (_cdiv(m, bm), n_c), rbm, *_slabs(m, c, rbm * t.stats_unroll, bc, t.programs),
+                 *_slabs(m, c, rbm * t.bwd_unroll, bc, t.programs), t)
 
 def _acc(x:Tensor): return acc_dtype(x.dtype)   # the one rule, clfast.reference's
 
@@ -485,7 +505,7 @@ def _locks(device:torch.device, n:int) -> Tensor:
         t = _LOCKS[device] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
     return t
 
-# %% ../nbs/20_triton_kernels.ipynb #5339eeda
+# %% ../nbs/20_triton_kernels.ipynb #63821456
 def _stats_into(x:Tensor, m:int, out:Tensor, k:Tensor, params:bool=False, weight:Tensor|None=None,
                 bias:Tensor|None=None, running:tuple|None=None):
     """Launch `_stats` on the `m` rows at `x` (a channels-last activation or `[M, C]` rows): mean and biased variance
@@ -506,7 +526,7 @@ def _stats_into(x:Tensor, m:int, out:Tensor, k:Tensor, params:bool=False, weight
             out if bias is None else bias, k, out, out if rm is None else rm, out if rv is None else rv,
             out if nbt is None else nbt, kr, m, pl.cq, pl.stats_rows, pl.stats_p, PARAMS=params,
             HAS_W=weight is not None, HAS_B=bias is not None, RUNNING=rm is not None, NBT=nbt is not None,
-            BLOCK_M=pl.rbm, BLOCK_C=pl.bc, UNROLL=_STATS_UNROLL, C_ALIGN=pl.align, num_warps=_WARPS['stats'])
+            BLOCK_M=pl.rbm, BLOCK_C=pl.bc, UNROLL=pl.tiles.stats_unroll, C_ALIGN=pl.align, num_warps=pl.tiles.warps_stats)
     _written(rm, rv, nbt)
 
 def stats(x:Tensor) -> tuple[Tensor, Tensor]:
@@ -521,12 +541,12 @@ def _params_of(scale:Tensor, shift:Tensor, mean:Tensor|None=None, invstd:Tensor|
     zero = torch.zeros_like(scale)
     return torch.stack((zero if mean is None else mean, zero if invstd is None else invstd, scale, shift))
 
-# %% ../nbs/20_triton_kernels.ipynb #bf847960
+# %% ../nbs/20_triton_kernels.ipynb #4467ca5f
 def _fwd_into(x:Tensor, m:int, prm:Tensor, res:Tensor|None, k:Tensor, act:int, out:Tensor):
     "Launch `_fwd` on the `m` rows at `x` into `out` (alike, channels-last activations or `[M, C]` rows)"
     pl = _plan(m, prm.shape[1])
     _launch(_fwd, pl.grid, x, prm, x if res is None else res, k, out, m, pl.cq, HAS_RES=res is not None, ACT=act,
-            BLOCK_M=pl.bm, BLOCK_C=pl.bc, C_ALIGN=pl.align, num_warps=_WARPS['fwd'])
+            BLOCK_M=pl.bm, BLOCK_C=pl.bc, C_ALIGN=pl.align, num_warps=pl.tiles.warps_fwd)
 
 def fwd(x:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int, act_param:float=0.) -> Tensor:
     "`act(x*scale + shift [+ res])` on `[M, C]` rows"
@@ -535,7 +555,7 @@ def fwd(x:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int, act_para
                            _consts(float(act_param), 0., scale.dtype, x.device), int(act), out)
     return out
 
-# %% ../nbs/20_triton_kernels.ipynb #9a947662
+# %% ../nbs/20_triton_kernels.ipynb #1b500be9
 def _bwd_into(g:Tensor, m:int, x:Tensor|None, prm:Tensor, res:Tensor|None, out:Tensor|None, act:int, act_param:float,
               training:bool, dy:Tensor|None, dres:Tensor|None, grad_means:Tensor|None=None,
               want_sums:bool=True) -> tuple[Tensor, Tensor]:
@@ -555,15 +575,15 @@ def _bwd_into(g:Tensor, m:int, x:Tensor|None, prm:Tensor, res:Tensor|None, out:T
         ws = g.new_empty((2 + 2 * pl.bwd_p, c), dtype=prm.dtype)   # B, D, then the partial sums
         _launch(_bwd_sums, (pl.bwd_p, pl.n_c), g, xx, prm, r, o, k, ws, _locks(g.device, pl.n_c), sdz, sdx, prm, m, pl.cq,
                 pl.bwd_rows, pl.bwd_p, HAS_Y=has_y, HAS_RES=has_res, ACT=act, FROM_OUT=from_out, TRAINING=training,
-                BLOCK_M=pl.rbm, BLOCK_C=pl.bc, UNROLL=_BWD_UNROLL, C_ALIGN=pl.align,
-                num_warps=_WARPS['bwd' if training and not from_out else 'bwd_light'])
+                BLOCK_M=pl.rbm, BLOCK_C=pl.bc, UNROLL=pl.tiles.bwd_unroll, C_ALIGN=pl.align,
+                num_warps=pl.tiles.warps_bwd if training and not from_out else pl.tiles.warps_bwd_light)
     if grad_means is not None and training:   # pass 2's coefficients from the given means (as _bwd_sums')
         ws = torch.stack((-prm[2] * prm[1] * grad_means[1], -prm[2] * grad_means[0]))
     if (dy is not None or dres is not None) and m:
         _launch(_bwd_dx, pl.grid, g, xx, prm, prm if ws is None else ws, r, o, k, g if dy is None else dy,
                 g if dres is None else dres, m, pl.cq, HAS_Y=training or (act != 0 and not from_out), HAS_RES=has_res,
                 ACT=act, FROM_OUT=from_out, TRAINING=training, WANT_DY=dy is not None, WANT_DRES=dres is not None,
-                BLOCK_M=pl.bm, BLOCK_C=pl.bc, C_ALIGN=pl.align, num_warps=_WARPS['dx'])
+                BLOCK_M=pl.bm, BLOCK_C=pl.bc, C_ALIGN=pl.align, num_warps=pl.tiles.warps_dx)
     return sdz, sdx
 
 def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift:Tensor, res:Tensor|None, act:int,

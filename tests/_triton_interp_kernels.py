@@ -50,9 +50,8 @@ def test_stats_large_mean():
 def test_stats_many_programs():
     "More rows than one reduction program holds, several column blocks: the last program of each adds the partials"
     y = torch.randn(64 * 1030 + 7, 70, dtype=F64)   # 70 channels: two column blocks of 64
-    bm, bc = tk._reduce_blocks(70)
-    rows_per, p = tk._slabs(*y.shape, bm * tk._STATS_UNROLL, bc)   # as `stats` cuts the rows
-    assert p > 1 and tk._cdiv(70, bc) == 2
+    plan = tk._plan(*y.shape)   # as `stats` cuts the rows
+    assert plan.stats_p > 1 and plan.n_c == 2
     mean, var = tk.stats(y)
     torch.testing.assert_close(mean, y.mean(0), atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(var, y.var(0, unbiased=False), atol=1e-12, rtol=1e-12)
@@ -289,6 +288,28 @@ def test_layer_many_channels(dt, name, p):
     fo = ACTS[name].grad_from_out(p)
     for i, (res, training) in enumerate([(True, True), (False, False)]):
         check_layer(dt, name, p, res, training, i == 0, fo, x_shape=(2, 4, 3, 3), c=70, k=1, padding=0, seed=i)
+
+# the tilings at the ends of what `benchmarks/sweep_kernel_tiles.py` times: a 128-channel tile over 70 channels (one
+# column block, masked) with an 8-row accumulator, loaded 8 (statistics) and 1 (backward) times a step, in 3 programs;
+# and 16-channel tiles (5 column blocks) in as many programs as there are slabs
+TILINGS = {'wide': tk.Tiles(tile=2048, reduce_tile=1024, stats_unroll=8, bwd_unroll=1, max_block_c=128, programs=3),
+           'narrow': tk.Tiles(tile=1024, reduce_tile=512, stats_unroll=2, bwd_unroll=4, max_block_c=16, programs=4096,
+                              warps_stats=8, warps_fwd=4, warps_bwd=4, warps_dx=8)}
+
+@pytest.mark.parametrize('tiling', TILINGS)
+@pytest.mark.parametrize('dt', [F64, BF16])
+def test_layer_under_other_tilings(dt, tiling):
+    "Other tilings than the default compute the same layer (against fp64), with several programs in each reduction"
+    tiles = TILINGS[tiling]
+    with tk.tiling(tiles):
+        plan = tk._plan(2 * 9 * 9, 70)
+        assert plan.tiles is tiles and plan.stats_p > 1 and plan.bwd_p > 1
+        assert plan.n_c == (1 if tiling == 'wide' else 5)
+        check_layer(dt, 'relu', 0., True, True, False, True, x_shape=(2, 4, 9, 9), c=70, k=1, padding=0)
+        check_layer(dt, 'silu', 0., False, True, True, False, x_shape=(2, 4, 9, 9), c=70, k=1, padding=0, seed=1)
+    assert tk._plan(2 * 9 * 9, 70).tiles == tk.Tiles()   # the default again after the block
+    with pytest.raises(TypeError, match='Tiles'):
+        with tk.tiling(dict(tile=1024)): pass
 
 @pytest.mark.parametrize('kw', [dict(stride=2, padding=1), dict(dilation=2, padding=2), dict(groups=3, c=6),
                                 dict(x_shape=(1, 3, 5, 4), k=1, padding=0), dict(x_shape=(2, 2, 3, 3, 3), c=4),

@@ -19,3 +19,29 @@ def test_bench_gpu_fit_dry_run(capsys):
     rows = {r.split(' | ')[3]: r.split(' | ') for r in table}
     assert rows['stock channels-last, fastai AMP'][5] == '1.00' and float(rows["clfast fuse='speed'"][4]) > 0
     assert 'CUDA graphs need a model on a CUDA GPU' in rows['clfast graphs=True'][9]
+
+def test_sweep_kernel_tiles_dry_run():
+    """The GPU script's tiling sweep runs end to end on the CPU under Triton's interpreter (a process of its own: the
+    interpreter is chosen when the kernels are defined): every pass timed under the default and the tilings that change
+    it, each tiling's results agreeing with the default's, then the best settings together or the default kept"""
+    import os, subprocess
+    script = Path(__file__).parents[1] / 'benchmarks' / 'sweep_kernel_tiles.py'
+    variants = ['max_block_c=128', 'programs=4096', 'tile=8192', 'stats_unroll=8']
+    p = subprocess.run([sys.executable, str(script), '--device', 'cpu', '--dry', '--dtypes', 'bfloat16', '--variants',
+                        *variants], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, 'TRITON_INTERPRET': '1', 'OMP_NUM_THREADS': '1'})
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout
+    assert 'wrong' not in out and 'interrupted' not in out, out
+    first = out.split('\n\nThe best settings together')[0].split('\nNo setting sped up')[0]
+    sections = first.split('**')[1::2]
+    assert sections == ['stats', 'fwd', 'bwd_sums', 'bwd'], sections
+    # each pass's columns: the variants whose setting it reads (`AFFECTS`), in the order given
+    heads = [l for l in first.splitlines() if l.startswith('| shape |')]
+    assert heads[0].endswith('| max_block_c=128 | programs=4096 | stats_unroll=8 |')          # stats
+    assert heads[1].endswith('| max_block_c=128 | tile=8192 |')                               # fwd
+    assert heads[2].endswith('| max_block_c=128 | programs=4096 |')                           # bwd_sums
+    assert heads[3].endswith('| max_block_c=128 | programs=4096 | tile=8192 |')               # bwd
+    rows = [l for l in first.splitlines() if l.startswith('| [')]
+    assert len(rows) == 4 * 2 and all(l.split(' | ')[1] == 'bfloat16' for l in rows)   # 2 shapes a pass
+    assert ('The best settings together' in out and '| together |' in out) != ('the default stays' in out)

@@ -53,6 +53,7 @@ SETUPS = {   # name: (what it does, its description)
                        "clfast fuse='speed', Triton's compiled kernels called directly"),
     'memory':         (lambda l, d: l.to_channelslast(amp_mode=d, fuse='memory'), "clfast fuse='memory'"),
     'graphs':         (lambda l, d: l.to_channelslast(amp_mode=d, graphs=True), "clfast graphs=True"),
+    'graphs-if-faster': (lambda l, d: l.to_channelslast(amp_mode=d, graphs='if_faster'), "clfast graphs='if_faster'"),
     'speed+graphs':   (lambda l, d: l.to_channelslast(amp_mode=d, fuse='speed', graphs=True), "clfast fuse='speed', graphs=True"),
     'memory+graphs':  (lambda l, d: l.to_channelslast(amp_mode=d, fuse='memory', graphs=True), "clfast fuse='memory', graphs=True"),
     'speed+compile':  (lambda l, d: l.to_channelslast(amp_mode=d, fuse='speed', compile=True), "clfast fuse='speed', compile=True"),
@@ -78,7 +79,10 @@ def plan(models, batch_sizes, dtypes) -> list:
     first, big, small = models[0], max(batch_sizes), min(batch_sizes)
     def goals(m, bs, dt):
         if m != first: return list(GOALS)
-        return GOALS + ['memory'] + (['compile-cl'] if bs == big else []) + (['graphs', 'memory+graphs'] if bs == small else [])
+        # graphs='if_faster' at both batches: a candidate for the default on CUDA, whose measure must keep the graphs
+        # where they pay (batch 64) and drop them where they do not
+        return GOALS + ['memory', 'graphs-if-faster'] + (['compile-cl'] if bs == big else []) + \
+               (['graphs', 'memory+graphs'] if bs == small else [])
     groups = [(m, bs, dt, goals(m, bs, dt)) for m in models for dt in dtypes for bs in batch_sizes]
     # then the rest, each beside stock channels-last (a group's ratios are its own rounds')
     once = {'speed+compile', 'stock-cl-bench'}   # the first model, largest batch, first dtype only
@@ -166,6 +170,10 @@ class Group:
         if graphs is not None and not self.notes[setup]:
             retried = f", captured at a second try (the first: {graphs.retried[0][:100]})" if graphs.retried else ''
             self.notes[setup] = [f"{graphs.captured} shape(s) replayed{retried}"]
+        if first and graphs is not None and graphs.measured:   # graphs='if_faster': the first fit's measure
+            m = graphs.measured
+            self.notes[setup].append(f"measured: replays {m['replay_ms']:.1f} ms a step, eager {m['eager_ms']:.1f}: "
+                                     f"{'kept' if m['kept'] else 'dropped'}")
         if first and chose:
             for graphed in (False, True):
                 ways = [w for g, w in chose if g == graphed]

@@ -149,7 +149,7 @@ def _events_given(cbs:list) -> dict:
         res.update({k: getattr(v, '__func__', v) for k, v in given.items()})
     return res
 
-# %% ../nbs/02_callback.ipynb #611721e5
+# %% ../nbs/02_callback.ipynb #6683d943
 @patch
 @fastai_signature(Learner.to_channelslast, also=GradScaler)   # fastai's: this patch replaces it just after
 def to_channelslast(self:Learner,
@@ -157,13 +157,15 @@ def to_channelslast(self:Learner,
     amp_mode:str|AMPMode|None=None, # Mixed Precision training mode, fp16 (shown: fastai's default) or bf16; not given, an attached `MixedPrecision` is kept
     *,
     fuse:str|bool=False, # Fuse conv-BN(-ReLU)(+add) blocks: 'speed', 'memory' or False (unfuses a fused model)
-    graphs:bool=False, # Train a CUDA model from CUDA graphs (`CudaGraphs`): each steady step replayed, not issued op by op
+    graphs:bool|str=False, # Train a CUDA model from CUDA graphs (`CudaGraphs`): each steady step replayed, not issued op by op; 'if_faster': only where its replays measured faster in the fit
     compile:bool|dict|None=None, # `torch.compile` the model in place: True or compile's keyword arguments; False undoes it; None leaves it
     auto:bool=False, # Measure this model on its batches (`format_find`) and apply the fastest setup that trains the same
     **kwargs
 ):
     "Set `Learner` and inputs to `channels_last` format and float16 Mixed Precision by default"
-    _check_flags('to_channelslast', use_amp=use_amp, graphs=graphs, auto=auto)
+    _check_flags('to_channelslast', use_amp=use_amp, auto=auto)
+    if graphs != 'if_faster' and (isinstance(graphs, str) or graphs not in (True, False)):
+        raise ValueError(f"to_channelslast: graphs={graphs!r} must be True, False or 'if_faster'")
     compile_kwargs(compile)   # its error before anything changes
     explicit = amp_mode is not None or bool(kwargs)
     if amp_mode is None: amp_mode = AMPMode.FP16
@@ -180,7 +182,7 @@ def to_channelslast(self:Learner,
     old_cl = _find_cbs(self, fastai_cl.ChannelsLast, ChannelsLast)
     self.remove_cbs(old_cl + _find_cbs(self, CudaGraphs))
     self.add_cb(cl := ChannelsLast(fuse=fuse, **_events_given(old_cl)))   # the user's event functions kept
-    if graphs: self.add_cb(CudaGraphs())
+    if graphs: self.add_cb(CudaGraphs(if_faster=graphs == 'if_faster'))
     if fuse: cl.fuse_model()       # now, so that mode switches and `fusion_report` apply at once
     elif is_fused(self.model): unfuse_conv_bn(self.model)
     guard_model(self.model, _model_device(self))   # for where it will train; `before_fit` decides again

@@ -6,7 +6,7 @@ from torch import nn
 from fastai.vision.all import Learner, CrossEntropyLossFlat, Adam, Callback, set_seed
 from clfast.all import *
 from clfast.core import ClfastWarning, is_compiled
-from clfast.graphs import GraphedForward, not_graphable, WARM_STEPS, MAX_SHAPES
+from clfast.graphs import GraphedForward, not_graphable, WARM_STEPS, MAX_SHAPES, MEASURED_WARM, MEASURED_REPLAYS
 from clfast.finder import Setup, BASELINE
 from helpers import image_dls, conv_net, tiny_learner
 
@@ -16,9 +16,9 @@ def _fit(learn, *cbs, epochs=1):
 def _clfast_warnings(rec): return [str(w.message) for w in rec if issubclass(w.category, ClfastWarning)]
 
 def test_cpu_model_trains_eagerly_and_says_why_once():
-    "graphs=True on a CPU learner: one message, then the same training as without it (bit for bit), nothing left behind"
+    "graphs=True (or 'if_faster') on a CPU learner: one message, then the same training as without it (bit for bit), nothing left behind"
     params = []
-    for graphs in (False, True):
+    for graphs in (False, True, 'if_faster'):
         set_seed(0)
         learn = tiny_learner().to_channelslast(use_amp=False, graphs=graphs)
         set_seed(1)   # after any probe that drew random numbers: the same shuffles either way
@@ -30,8 +30,9 @@ def test_cpu_model_trains_eagerly_and_says_why_once():
                         ["CudaGraphs: CUDA graphs need a model on a CUDA GPU, and this one is on cpu; training eagerly."])
         assert 'forward' not in learn.model.__dict__
         params.append([p.detach().clone() for p in learn.model.parameters()])
-    for a, b in zip(*params): assert torch.equal(a, b)
-    assert learn.cuda_graphs.captured == 0
+    for p in params[1:]:
+        for a, b in zip(params[0], p): assert torch.equal(a, b)
+    assert learn.cuda_graphs.captured == 0 and learn.cuda_graphs.measured is None   # nothing measured: no graph
 
 def test_the_last_steps_autograd_graph_is_let_go_before_each_step():
     """fastai keeps a step's pred and loss, and with them its autograd graph (which holds the parameters' gradient
@@ -53,7 +54,8 @@ def test_switches():
     with pytest.raises(ValueError, match='choose one'): learn.to_channelslast(graphs=True, compile=True)
     with pytest.raises(ValueError, match=r'auto=True\) chooses'): learn.to_channelslast(auto=True, graphs=True)
     with pytest.raises(ValueError, match=r'auto=True\) chooses'): learn.to_channelslast(auto=True, compile=True)
-    with pytest.raises(ValueError, match=r"graphs='False' must be True or False"): learn.to_channelslast(graphs='False')
+    with pytest.raises(ValueError, match=r"graphs='False' must be True, False or 'if_faster'"): learn.to_channelslast(graphs='False')
+    with pytest.raises(ValueError, match=r"graphs=2 must be True, False or 'if_faster'"): learn.to_channelslast(graphs=2)
     with pytest.raises(ValueError, match=r"use_amp='no' must be"): learn.to_channelslast(use_amp='no')
     with pytest.raises(ValueError, match=r"compile='yes': pass True, False"): learn.to_channelslast(compile='yes')
     with pytest.raises(ValueError, match=r"torch.compile has no argument 'modee'; it takes .*mode"):
@@ -62,7 +64,10 @@ def test_switches():
     assert not hasattr(learn, 'channels_last') and not hasattr(learn, 'mixed_precision')   # a refused call changes nothing
     assert not is_compiled(learn.model) and next(learn.model.parameters()).is_contiguous()
     learn.to_channelslast(graphs=True).to_channelslast(graphs=True)
+    assert sum(isinstance(c, CudaGraphs) for c in learn.cbs) == 1 and not learn.cuda_graphs.if_faster
+    learn.to_channelslast(graphs='if_faster')   # replaces the callback: one, measuring, with its longer warm-up
     assert sum(isinstance(c, CudaGraphs) for c in learn.cbs) == 1
+    assert learn.cuda_graphs.if_faster and learn.cuda_graphs.warm == MEASURED_WARM
     learn.to_channelslast()                      # graphs=False: the callback goes
     assert not any(isinstance(c, CudaGraphs) for c in learn.cbs)
     learn.to_channelslast(graphs=True).to_contiguous()
@@ -518,3 +523,33 @@ def test_a_capture_that_fails_once_is_tried_again():
     assert learn.cuda_graphs.captured == 1 and len(learn.cuda_graphs.retried) == 1 and 'previous error' not in learn.cuda_graphs.retried[0]
     assert len(learn.model[0].captures) == 2 and all(math.isfinite(l) for l in learn.recorder.losses)
     assert learn.model[1][1].num_batches_tracked.item() == 2 * len(learn.dls.train)
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('faster_by', [None, 0.999])
+def test_if_faster_measures_then_keeps_or_drops_the_graphs(faster_by, monkeypatch):
+    """graphs='if_faster' times the eager steps before the capture and the first replays, then keeps the graphs or
+    stops them (said once, with both medians), and the fit goes on either way, training as an eager fit does. Asked for
+    a 1000-fold gain (`FASTER_BY` 0.999: a forced drop, not what any setting would be), it drops them"""
+    from clfast import graphs as cg
+    if faster_by is not None: monkeypatch.setattr(cg, 'FASTER_BY', faster_by)
+    runs = []
+    for graphs in (False, 'if_faster'):
+        set_seed(0)
+        learn = _cuda_learner().to_channelslast(amp_mode='fp16', graphs=graphs)   # 7 full training batches an epoch
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter('always')
+            _fit(learn, epochs=3)
+        said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+        if graphs:
+            m = learn.cuda_graphs.measured
+            # 5 eager steps, the first not timed; the capture's; then 4 replays (the second epoch's, across its start)
+            assert m is not None and m['steps'] == (MEASURED_WARM - 1, MEASURED_REPLAYS), m
+            assert m['eager_ms'] > 0 and m['replay_ms'] > 0
+            if faster_by is not None: assert not m['kept']
+            if m['kept']: assert said == [] and learn.cuda_graphs.captured == 1
+            else:
+                assert len(said) == 1 and said[0].startswith("CudaGraphs: its replayed steps were not faster here (")
+                assert said[0].endswith("; training eagerly.") and learn.cuda_graphs.captured == 0
+        runs.append([p.detach().float().clone() for p in learn.model.parameters()])
+    eps = 2**-10 * 8
+    for a, b in zip(*runs): assert torch.allclose(a, b, rtol=eps, atol=eps * a.abs().max().item())

@@ -16,8 +16,8 @@
 #   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests probe tiles host kernels fit
 #                                                       # (default: all, in that order)
 #
-# One call of 10 minutes runs every step but leaves the fit about a minute; a session's second call gives the fit its
-# own (`BUDGET=300 bash benchmarks/gpu_first_run.sh OUT build warm fit`; FIT_ARGS, e.g. "--models efficientnet_b0
+# One call of 10 minutes runs the steps before the fit and leaves it little or nothing; a session's second call gives
+# the fit its own (`BUDGET=300 bash benchmarks/gpu_first_run.sh OUT build warm fit`; FIT_ARGS, e.g. "--models efficientnet_b0
 # --dtypes float16", go to bench_gpu_fit.py: the groups a run has not measured yet first).
 # BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests. fastai travels as wheels in .whl/, the kernels
 # in .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each

@@ -321,16 +321,19 @@ class GraphedForward:
         self.why, self.graphs = why, {}
         self.say(why)
 
-# %% ../nbs/29_graphs.ipynb #599b6d03
-def _timed_steps(marks:list) -> tuple[list, list]:
+# %% ../nbs/29_graphs.ipynb #5f74349a
+def _timed_steps(marks:list, skipped:set=frozenset()) -> tuple[list, list]:
     """The (start, end) events of the eager and of the replayed training steps among `marks` (`(epoch, iter, graphs
     captured, replays, event)` at each training step's start): a step is timed from its mark to the next one in the
-    same epoch (an epoch's last step, short where the loader keeps it, never is); eager while nothing is captured, but
-    for the fit's first step; replayed where one replay, and no capture, came between the marks (the capture's own
-    step, and an uncaptured shape's among replays, are neither)"""
+    same epoch (an epoch's last step, short where the loader keeps it, never is), unless its optimizer step was
+    skipped (`skipped`: `(epoch, iter)`s; fp16's GradScaler skips the first steps' overflowing gradients, and such a
+    step is shorter than a training one); eager while nothing is captured, but for the fit's first step; replayed
+    where one replay, and no capture, came between the marks (the capture's own step, and an uncaptured shape's among
+    replays, are neither)"""
     eager, replayed = [], []
     for i, (a, b) in enumerate(zip(marks, marks[1:])):
         if a[0] != b[0] or a[1] + 1 != b[1]: continue   # across an epoch's end (its validation between)
+        if (a[0], a[1]) in skipped: continue
         if i > 0 and a[2] == b[2] == 0: eager.append((a[4], b[4]))
         elif a[2] == b[2] > 0 and b[3] == a[3] + 1: replayed.append((a[4], b[4]))
     return eager, replayed
@@ -355,6 +358,7 @@ class CudaGraphs(Callback):
         # with if_faster, the last fit's measurement: {'eager_ms', 'replay_ms' (medians), 'steps' (timed of each), 'kept'}
         self.measured: dict|None = None
         self._marks = self._new_marks()
+        self._skipped: set = set()   # this fit's training steps whose optimizer step was skipped: (epoch, iter)
 
     def _say(self, why:str, then:str='training eagerly'): warn_user(f"CudaGraphs: {why}; {then}.", once_for=self)
 
@@ -362,6 +366,7 @@ class CudaGraphs(Callback):
         self._remove()
         _check_counts(self.warm, self.max_graphs)   # set on the callback since
         self.last_captured, self.last_retried, self.measured, self._marks = 0, [], None, self._new_marks()
+        self._skipped = set()
         dev = next(self.model.parameters(), torch.empty(0)).device
         if dev.type != 'cuda': return self._say(f"CUDA graphs need a model on a CUDA GPU, and this one is on {dev}")
         self.graphed = GraphedForward(self.model, self.warm, self.max_graphs, self._say)
@@ -393,19 +398,26 @@ class CudaGraphs(Callback):
         event = torch.cuda.Event(enable_timing=True)
         event.record(torch.cuda.current_stream(dev))
         self._marks.append((self.epoch, self.iter, len(graphed.graphs), graphed.replays, event))
-        eager, replayed = _timed_steps(list(self._marks))
-        if len(eager) >= self.warm - 1 and len(replayed) >= MEASURED_REPLAYS: self._decide(graphed, eager, replayed)
+        eager, replayed = _timed_steps(list(self._marks), self._skipped)
+        # (the eager steps all came before the capture: by the replays' count, every one is in)
+        if len(replayed) >= MEASURED_REPLAYS: self._decide(graphed, eager, replayed)
 
     def _decide(self, graphed:GraphedForward, eager:list, replayed:list):
-        "Keep the graphs where the replayed steps' median is `FASTER_BY` shorter than the eager ones', else stop them"
+        """Keep the graphs where the replayed steps' median is `FASTER_BY` shorter than the eager ones', else stop them;
+        with no eager step timed (each one's optimizer step skipped) nothing is compared, and they stay"""
         replayed[-1][1].synchronize()   # the last mark's step ran: every timed step did
-        ms = lambda pairs: statistics.median(a.elapsed_time(b) for a, b in pairs)
+        ms = lambda pairs: statistics.median(a.elapsed_time(b) for a, b in pairs) if pairs else None
         e, r = ms(eager), ms(replayed)
-        self.measured = dict(eager_ms=e, replay_ms=r, steps=(len(eager), len(replayed)), kept=r <= e * (1 - FASTER_BY))
+        self.measured = dict(eager_ms=e, replay_ms=r, steps=(len(eager), len(replayed)),
+                             kept=e is None or r <= e * (1 - FASTER_BY))
         self._marks.clear()
         if not self.measured['kept']:
             graphed.stop(f"its replayed steps were not faster here ({r:.1f} ms a step against {e:.1f} ms eager, medians "
                          f"of {len(replayed)} and {len(eager)} steps), and their graph holds memory of its own")
+
+    def after_cancel_step(self):
+        "A step whose optimizer step was skipped (fp16's overflow) is not timed by `if_faster`"
+        if self.if_faster and self.measured is None: self._skipped.add((self.epoch, self.iter))
 
     def after_fit(self): self._remove()
 

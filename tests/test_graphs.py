@@ -542,10 +542,11 @@ def test_if_faster_measures_then_keeps_or_drops_the_graphs(faster_by, monkeypatc
         said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
         if graphs:
             m = learn.cuda_graphs.measured
-            # 5 eager steps, the first not timed; the capture's; then 4 replays (the second epoch's, across its start)
-            assert m is not None and m['steps'] == (MEASURED_WARM - 1, MEASURED_REPLAYS), m
-            assert m['eager_ms'] > 0 and m['replay_ms'] > 0
-            if faster_by is not None: assert not m['kept']
+            # 5 eager steps, the first not timed; the capture's; then 4 replays (the second epoch's, across its start);
+            # fewer eager ones where fp16's GradScaler skipped an optimizer step (the first steps may overflow)
+            assert m is not None and m['steps'][1] == MEASURED_REPLAYS and m['steps'][0] <= MEASURED_WARM - 1, m
+            assert m['replay_ms'] > 0 and (m['eager_ms'] is None) == (m['steps'][0] == 0), m
+            if faster_by is not None and m['eager_ms'] is not None: assert not m['kept']
             if m['kept']: assert said == [] and learn.cuda_graphs.captured == 1
             else:
                 assert len(said) == 1 and said[0].startswith("CudaGraphs: its replayed steps were not faster here (")

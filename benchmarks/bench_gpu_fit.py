@@ -172,7 +172,8 @@ class Group:
             self.notes[setup] = [f"{graphs.captured} shape(s) replayed{retried}"]
         if first and graphs is not None and graphs.measured:   # graphs='if_faster': the first fit's measure
             m = graphs.measured
-            self.notes[setup].append(f"measured: replays {m['replay_ms']:.1f} ms a step, eager {m['eager_ms']:.1f}: "
+            eager = 'unmeasured (every eager step skipped by the scaler)' if m['eager_ms'] is None else f"{m['eager_ms']:.1f}"
+            self.notes[setup].append(f"measured: replays {m['replay_ms']:.1f} ms a step, eager {eager}: "
                                      f"{'kept' if m['kept'] else 'dropped'}")
         if first and chose:
             for graphed in (False, True):
@@ -246,7 +247,7 @@ def main(argv=None):
     p.add_argument('--dtypes', nargs='+', default=['bfloat16', 'float16'], choices=['bfloat16', 'float16'])
     p.add_argument('--setups', nargs='+', choices=list(SETUPS), help="only these setups (default: all, in priority order)")
     p.add_argument('--px', type=int, default=224)
-    p.add_argument('--warm', type=int, default=6, help="first steps of each fit, not timed: CUDA graphs capture after 3, replay from the 5th")
+    p.add_argument('--warm', type=int, default=6, help="first steps of each fit, not timed: CUDA graphs capture after 3 (graphs='if_faster': after 5, at the 6th, and decide at the 11th, inside the timed steps)")
     p.add_argument('--steps', type=int, default=12, help="timed steps of each fit")
     p.add_argument('--rounds', type=int, default=3, help="fits of each setup, in an order rotated each round")
     p.add_argument('--budget', type=float, default=420, help="seconds; groups that would start later are not run")

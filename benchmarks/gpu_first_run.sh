@@ -82,20 +82,25 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
     # the fit: groups started until `--budget` (a group runs on past it, about 45 s), stopped at the step's limit (SIGINT:
     # it still prints its table); 130 s kept for the steps after it, where any follow
     fit) keep=$(case " $STEPS " in *" fit "[a-z]*) echo 130 ;; *) echo 10 ;; esac)
-         [ "$(( $(left) - keep ))" -gt 60 ] && step fit "$(( $(left) - keep ))" "$PY" benchmarks/bench_gpu_fit.py \
-           --budget "$(( $(left) - keep - 60 ))" ${FIT_ARGS:-} ;;
+         if [ "$(( $(left) - keep ))" -gt 60 ]; then step fit "$(( $(left) - keep ))" "$PY" benchmarks/bench_gpu_fit.py \
+           --budget "$(( $(left) - keep - 60 ))" ${FIT_ARGS:-}
+         else echo "== fit: not run ($(left)s left; a second call: BUDGET=300 ... build warm fit)"; fi ;;
     # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes
-    host) [ "$(left)" -gt 60 ] && step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50 ;;
+    host) if [ "$(left)" -gt 60 ]; then step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50
+          else echo "== host: not run ($(left)s left)"; fi ;;
     # probe: where 'memory' loses its time in fp16 and not in bf16 (0.64x against 0.87x stock on the H200): one layer
     # step's kernels both dtypes, then a whole resnet50 step with and without GradScaler's sync before the optimizer;
     # and where eager 'speed' spends the host's time at batch 64 (0.80x stock there)
-    probe) [ "$(left)" -gt 60 ] && step probe "$(( $(left) - 25 < 110 ? $(left) - 25 : 110 ))" "$PY" benchmarks/probe_slow_gpu_rows.py --step --eager-speed ;;
+    probe) if [ "$(left)" -gt 60 ]; then step probe "$(( $(left) - 25 < 110 ? $(left) - 25 : 110 ))" "$PY" benchmarks/probe_slow_gpu_rows.py --step --eager-speed
+           else echo "== probe: not run ($(left)s left)"; fi ;;
     # tiles: each tiling setting on either side of the default, then the best together (its own compiles first, in a
     # process per core); it stops starting shapes at its --budget and prints what it measured
     tiles) lim=$(( $(left) - 25 < 100 ? $(left) - 25 : 100 ))
-           [ "$lim" -gt 40 ] && step tiles "$lim" "$PY" benchmarks/sweep_kernel_tiles.py --budget "$(( lim - 15 ))" ;;
+           if [ "$lim" -gt 40 ]; then step tiles "$lim" "$PY" benchmarks/sweep_kernel_tiles.py --budget "$(( lim - 15 ))"
+           else echo "== tiles: not run ($(left)s left)"; fi ;;
     kernels) lim=$(( $(left) - 5 < 60 ? $(left) - 5 : 60 ))
-             [ "$lim" -gt 30 ] && step kernels "$lim" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3 ;;
+             if [ "$lim" -gt 30 ]; then step kernels "$lim" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3
+             else echo "== kernels: not run ($(left)s left)"; fi ;;
     *) echo "unknown step $s (build, warm, tests, probe, tiles, host, kernels, fit)"; failed=$((failed + 1)) ;;
   esac
 done

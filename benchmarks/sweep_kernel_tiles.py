@@ -9,15 +9,16 @@ resnet50's activations (issue 34 item 5: every pass at >= 70% of it).
 
 The passes are those of a conv-BN-ReLU training step without the conv (`bench_kernels.py`'s): the statistics, the
 forward, the backward's sums alone and the whole backward (sums, then dy). A pass is timed under the tilings whose
-changed setting it reads (`AFFECTS`), each against the default in the same run, with `triton.testing.do_bench` (the
-GPU's time alone, L2 flushed before each run); its result must match the default's (a tiling that computes something
-else is reported, never chosen). Before timing, every specialization the sweep launches is compiled in one process per
+changed setting it reads (`AFFECTS`), each against the default in the same run, with `triton.testing.do_bench` (L2
+flushed before each run, by a memset that also hides the host's issue time up to its own length: the kernels are
+launched through Triton's compiled kernels, ~2 us a launch, so that a small shape's issue stays under it); its result
+must match the default's (a tiling that computes something else is reported, never chosen). Before timing, every specialization the sweep launches is compiled in one process per
 core (Triton's on-disk cache then serves the launches): serially, Triton's JIT would spend minutes of the lease.
 The table: each pass's fraction of the copy's bandwidth under the default, and each tiling's speedup over it; then per
 pass the geometric mean over the shapes, and the tiling of the best settings together, timed the same way.
 """
 from __future__ import annotations
-import argparse, math, multiprocessing, os, statistics, sys, time
+import argparse, contextlib, math, multiprocessing, os, statistics, sys, time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -129,9 +130,12 @@ def timer(device:str, reps:int):
         return statistics.median(ts)
     return cpu
 
-def sweep(variants:dict, batches, dtypes, dry, device, reps, deadline) -> dict:
-    "`{(shape, dtype): {'copy': ms, pass: {variant: ms, or 'wrong'}}}` until `deadline` (time.monotonic)"
-    t_of, res = timer(device, reps), {}
+def sweep(variants:dict, batches, dtypes, dry, device, reps, deadline, res:dict) -> dict:
+    """`res` filled as `{(shape, dtype): {'copy': ms, pass: {variant: ms, or 'wrong'}}}` until `deadline`
+    (time.monotonic), and returned: an interrupt keeps what was measured. Triton's kernels are launched through their
+    compiled kernels (`launching('compiled')`, ~2 us a launch against the JIT's ~12): `do_bench`'s L2 flush hides the
+    host's issue time only up to its own ~60 us on an H200, and a small shape's backward issues several launches"""
+    t_of = timer(device, reps)
     for shape in shapes(batches, dry):   # (the largest batch first: a budget cut leaves out the smaller)
         for dt in dtypes:
             if time.monotonic() > deadline: return res
@@ -139,7 +143,7 @@ def sweep(variants:dict, batches, dtypes, dry, device, reps, deadline) -> dict:
             row = res[(shape, str(dt)[6:])] = {'copy': t_of(x.clone)}
             r = runs(x, dout, wt, b)
             for p in PASSES:
-                want, row[p] = r[p](), {}
+                want, row[p] = r[p](), {}   # (each pass in full before its row shows: `table` reads rows as they are)
                 for name, over in variants.items():
                     if not reads(over, p): continue
                     with tk.tiling(DEFAULT._replace(**over)):
@@ -149,7 +153,7 @@ def sweep(variants:dict, batches, dtypes, dry, device, reps, deadline) -> dict:
 
 def table(res) -> tuple[str, dict]:
     "The sweep's table and, per pass, each variant's geometric-mean speedup over the default"
-    lines, gains = [], {p: {} for p in PASSES}
+    lines, gains, wrong = [], {p: {} for p in PASSES}, set()
     for p in PASSES:
         names = list(dict.fromkeys(n for row in res.values() for n in row.get(p, {}) if n != 'default'))
         lines += ['', f"**{p}** (fraction of the copy's bandwidth under the default; then each tiling's speedup over it)", '',
@@ -163,8 +167,13 @@ def table(res) -> tuple[str, dict]:
                 v = row[p].get(n)
                 cells.append('-' if v is None else v if isinstance(v, str) else f"{d / v:.2f}")
                 if isinstance(v, float): gains[p].setdefault(n, []).append(d / v)
+                elif v == 'wrong': wrong.add(n)
             lines.append(f"| {list(shape)} | {dt} | {frac:.2f} | " + ' | '.join(cells) + ' |')
-    means = {p: {n: math.exp(statistics.fmean(map(math.log, v))) for n, v in g.items()} for p, g in gains.items()}
+    # a tiling whose results differed from the default's anywhere is never a candidate
+    means = {p: {n: math.exp(statistics.fmean(map(math.log, v))) for n, v in g.items() if n not in wrong}
+             for p, g in gains.items()}
+    if not any(len(row) > 1 for row in res.values()): return "(nothing measured: the budget ran out first)", means
+    if wrong: lines += ['', f"Results differing from the default's (never chosen): {', '.join(sorted(wrong))}"]
     lines += ['', '| pass | best tiling (geometric mean over the shapes) | speedup |', '|---|---|---|']
     for p, m in means.items():
         if m:
@@ -193,7 +202,7 @@ def main(argv=None):
     a.add_argument('--variants', nargs='+', choices=list(VARIANTS), default=list(VARIANTS))
     a.add_argument('--dtypes', nargs='+', default=['bfloat16', 'float16'], choices=['bfloat16', 'float16', 'float32'])
     a.add_argument('--batches', nargs='+', type=int, default=[256, 64])
-    a.add_argument('--reps', type=int, default=5)
+    a.add_argument('--reps', type=int, default=5, help="do_bench's warm-up and timing, in milliseconds: max(5, this) and max(20, 5 x this)")
     a.add_argument('--budget', type=float, default=240, help="seconds: no new shape starts after them")
     a.add_argument('--processes', type=int, default=os.cpu_count())
     args = a.parse_args(argv)
@@ -211,18 +220,21 @@ def main(argv=None):
         n = len(compile_all(variants, args.batches, dtypes, args.dry, cc, args.processes))
         print(f"{torch.cuda.get_device_name()}: {n} specializations compiled in {time.monotonic() - t0:.0f} s", flush=True)
     res = {}
+    launch = tk.launching('compiled') if args.device == 'cuda' else contextlib.nullcontext()
     try:   # (Ctrl-C, or the GPU script's SIGINT at its step's limit: the table of what was measured)
         # one setting at a time until 3/4 of the budget, then the best of each together against the default
-        res = sweep(variants, args.batches, dtypes, args.dry, args.device, args.reps, t0 + .75 * args.budget)
+        with launch: sweep(variants, args.batches, dtypes, args.dry, args.device, args.reps, t0 + .75 * args.budget, res)
         text, means = table(res)
         print(text, flush=True)
         together = best_together(means)
-        if not together: print("\nNo setting sped up the passes that read it by 3% or more: the default stays")
+        if not res: pass
+        elif not together: print("\nNo setting sped up the passes that read it by 3% or more: the default stays")
         else:
             print(f"\nThe best settings together: {together}", flush=True)
             combo = {'default': {}, 'together': together}
             if args.device == 'cuda': compile_all(combo, args.batches, dtypes, args.dry, cc, args.processes)
-            res = sweep(combo, args.batches, dtypes, args.dry, args.device, args.reps, t0 + args.budget)
+            res = {}
+            with launch: sweep(combo, args.batches, dtypes, args.dry, args.device, args.reps, t0 + args.budget, res)
             print(table(res)[0])
     except KeyboardInterrupt:
         print("\n(interrupted: what was measured)\n" + table(res)[0])

@@ -149,7 +149,7 @@ def _events_given(cbs:list) -> dict:
         res.update({k: getattr(v, '__func__', v) for k, v in given.items()})
     return res
 
-# %% ../nbs/02_callback.ipynb #6683d943
+# %% ../nbs/02_callback.ipynb #a323a21c
 @patch
 @fastai_signature(Learner.to_channelslast, also=GradScaler)   # fastai's: this patch replaces it just after
 def to_channelslast(self:Learner,
@@ -170,7 +170,7 @@ def to_channelslast(self:Learner,
     explicit = amp_mode is not None or bool(kwargs)
     if amp_mode is None: amp_mode = AMPMode.FP16
     if graphs and compile not in (None, False):
-        raise ValueError("to_channelslast: graphs=True replays eager steps, and a compiled model's CUDA graphs are "
+        raise ValueError(f"to_channelslast: graphs={graphs!r} replays eager steps, and a compiled model's CUDA graphs are "
                          "torch.compile's own (compile=dict(mode='reduce-overhead')): choose one.")
     if auto:
         if explicit or fuse is not False or not use_amp or graphs or compile is not None:

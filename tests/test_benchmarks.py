@@ -45,3 +45,13 @@ def test_sweep_kernel_tiles_dry_run():
     rows = [l for l in first.splitlines() if l.startswith('| [')]
     assert len(rows) == 4 * 2 and all(l.split(' | ')[1] == 'bfloat16' for l in rows)   # 2 shapes a pass
     assert ('The best settings together' in out and '| together |' in out) != ('the default stays' in out)
+
+def test_sweep_never_chooses_a_tiling_whose_results_differed():
+    "A tiling that computed another result than the default's on any shape is said and left out of the choice"
+    sweep = runpy.run_path(str(Path(__file__).parents[1] / 'benchmarks' / 'sweep_kernel_tiles.py'))
+    row = lambda fast: {'copy': 1.0, 'stats': {'default': 2.0, 'max_block_c=128': fast, 'programs=4096': 1.9}}
+    res = {((256, 64, 8, 8), 'bfloat16'): row(1.0), ((64, 64, 8, 8), 'bfloat16'): row('wrong')}
+    text, means = sweep['table'](res)
+    assert "Results differing from the default's (never chosen): max_block_c=128" in text
+    assert set(means['stats']) == {'programs=4096'} and sweep['best_together'](means) == {'programs': 4096}
+    assert sweep['table']({})[0].startswith('(nothing measured')

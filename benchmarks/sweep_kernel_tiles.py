@@ -12,8 +12,9 @@ forward, the backward's sums alone and the whole backward (sums, then dy). A pas
 changed setting it reads (`AFFECTS`), each against the default in the same run, with `triton.testing.do_bench` (L2
 flushed before each run, by a memset that also hides the host's issue time up to its own length: the kernels are
 launched through Triton's compiled kernels, ~2 us a launch, so that a small shape's issue stays under it); its result
-must match the default's (a tiling that computes something else is reported, never chosen). Before timing, every specialization the sweep launches is compiled in one process per
-core (Triton's on-disk cache then serves the launches): serially, Triton's JIT would spend minutes of the lease.
+must match the default's (a tiling that computes something else is reported, never chosen). Before timing, every
+specialization the sweep launches is compiled in one process per core (Triton's on-disk cache then serves the
+launches): serially, Triton's JIT would spend minutes of the lease.
 The table: each pass's fraction of the copy's bandwidth under the default, and each tiling's speedup over it; then per
 pass the geometric mean over the shapes, and the tiling of the best settings together, timed the same way.
 """

@@ -5,8 +5,8 @@
 # cache filled with the kernels' specializations for this GPU in one process per core (`python -m clfast.gpu_report
 # --warm-only CC`: about 25 s; it serves the launches where their cache keys are the offline compile's, which a CUDA
 # test checks, and the tests' and the fit's compile counts show), the CUDA tests (the Triton kernels and CUDA graphs
-# against fp64, the offline compile report against the GPU's own JIT; each failure's traceback kept), then training
-# the probe of the rows that lose ('memory' in fp16, eager 'speed' at batch 64: benchmarks/probe_slow_gpu_rows.py),
+# against fp64, the offline compile report against the GPU's own JIT; each failure's traceback kept), then the
+# probe of the rows that lose ('memory' in fp16, eager 'speed' at batch 64: benchmarks/probe_slow_gpu_rows.py),
 # the kernels' tilings against the default (benchmarks/sweep_kernel_tiles.py: each pass's fraction of a copy's
 # bandwidth, issue 34 item 5), a fused layer step's host time against stock's (`python -m clfast.host_cost --device
 # cuda`, Triton's launches included), the kernel benchmarks against stock cuDNN, and last, with what is left, training
@@ -41,7 +41,8 @@ step() {   # step NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   echo "== $name (at most ${limit}s): $*"
   # SIGINT first: pytest then prints its summary (failures, tracebacks) and the fit its table; killed 20 s later
-  # (a log per name before any ':': setup:env and setup:build share one, since only 8 files come back from a device call)
+  # (a log per name before any ':': setup:env and setup:build share one, the two test steps one, the tiling sweep and the
+  # kernel bench one: 7 logs, since only 8 files come back from a device call)
   timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee -a "$OUT/${name%%:*}.txt"
   local rc=${PIPESTATUS[0]}
   echo "== $name: exit $rc after ${SECONDS}s in all"
@@ -71,12 +72,12 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
     # process on the H200), which the host's cores do side by side
     tests)
       t0=$SECONDS
-      step cuda-tests-timed "$(( $(left) < TESTS_S ? $(left) : TESTS_S ))" "$PY" -m pytest -q -p no:cacheprovider -rfE \
+      step cuda-tests:timed "$(( $(left) < TESTS_S ? $(left) : TESTS_S ))" "$PY" -m pytest -q -p no:cacheprovider -rfE \
         --tb=short --durations=5 -m cuda tests/test_timing.py tests/test_host_cost.py tests/test_gpu_report.py
       rest=$(( TESTS_S - (SECONDS - t0) )); [ "$rest" -gt "$(left)" ] && rest=$(left)
       workers=$("$PY" -c 'import os, xdist; print(max(2, min(8, os.cpu_count() // 2)))' 2>/dev/null) || workers=
       if [ "$rest" -gt 20 ]; then
-        step cuda-tests "$rest" "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short --durations=10 -m cuda \
+        step cuda-tests:parallel "$rest" "$PY" -m pytest -q -p no:cacheprovider -rfE --tb=short --durations=10 -m cuda \
           ${workers:+-n "$workers"} $(ls tests/test_*.py | grep -v -e test_timing -e test_host_cost -e test_gpu_report)
       else echo "== cuda-tests: not run (${rest}s of TESTS_S left)"; fi ;;
     # the fit: groups started until `--budget` (a group runs on past it, about 45 s), stopped at the step's limit (SIGINT:
@@ -96,10 +97,10 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
     # tiles: each tiling setting on either side of the default, then the best together (its own compiles first, in a
     # process per core); it stops starting shapes at its --budget and prints what it measured
     tiles) lim=$(( $(left) - 25 < 100 ? $(left) - 25 : 100 ))
-           if [ "$lim" -gt 40 ]; then step tiles "$lim" "$PY" benchmarks/sweep_kernel_tiles.py --budget "$(( lim - 15 ))"
+           if [ "$lim" -gt 40 ]; then step kernels:tiles "$lim" "$PY" benchmarks/sweep_kernel_tiles.py --budget "$(( lim - 15 ))"
            else echo "== tiles: not run ($(left)s left)"; fi ;;
     kernels) lim=$(( $(left) - 5 < 60 ? $(left) - 5 : 60 ))
-             if [ "$lim" -gt 30 ]; then step kernels "$lim" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3
+             if [ "$lim" -gt 30 ]; then step kernels:bench "$lim" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3
              else echo "== kernels: not run ($(left)s left)"; fi ;;
     *) echo "unknown step $s (build, warm, tests, probe, tiles, host, kernels, fit)"; failed=$((failed + 1)) ;;
   esac

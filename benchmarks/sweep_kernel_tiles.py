@@ -42,7 +42,7 @@ BYTES = dict(stats=1, fwd=2, bwd_sums=2, bwd=5)   # [M, C] tensors each pass rea
 # the passes that read each setting (a pass is timed only under the tilings that change what it runs)
 AFFECTS = dict(tile={'fwd', 'bwd'}, reduce_tile={'stats', 'bwd_sums', 'bwd'}, stats_unroll={'stats'},
                bwd_unroll={'bwd_sums', 'bwd'}, max_block_c=set(PASSES), programs={'stats', 'bwd_sums', 'bwd'},
-               warps_stats={'stats'}, warps_fwd={'fwd'}, warps_bwd={'bwd_sums', 'bwd'}, warps_bwd_light=set(),
+               warps_stats={'stats'}, warps_fwd={'fwd'}, warps_bwd={'bwd_sums', 'bwd'},
                warps_dx={'bwd'})
 C_H = [(64, 112), (256, 56), (512, 28), (1024, 14), (2048, 7)]   # resnet50's activations at 224 px
 RELU = ACTS['relu'].code
@@ -121,9 +121,10 @@ def _agree(a, b) -> bool:
     return True
 
 def timer(device:str, reps:int):
+    "Milliseconds of a call: on a GPU `bench_kernels.cuda_time`'s (do_bench, L2 flushed), the one way the kernels are timed"
     if device == 'cuda':
-        import triton.testing
-        return lambda f: triton.testing.do_bench(f, warmup=max(5, reps), rep=max(20, 5 * reps), return_mode='median')
+        from benchmarks.bench_kernels import cuda_time
+        return lambda f: cuda_time(f, reps)
     def cpu(f):   # the dry run's: the interpreter's time, which says nothing of a GPU
         ts = []
         for _ in range(2):

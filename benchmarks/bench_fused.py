@@ -10,14 +10,15 @@ machine is noisy. Wrap runs in `flock /tmp/clfast-cpu.lock` so they never overla
     flock /tmp/clfast-cpu.lock python benchmarks/bench_fused.py --sections pointwise   # squeeze-excite 1x1 convs
 """
 from __future__ import annotations
-import argparse, copy, json, os, statistics, subprocess, sys, tempfile, time
+import argparse, contextlib, copy, json, os, statistics, subprocess, sys, tempfile, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch, timm, torchvision
 from torch import nn
 from clfast.fuse import fuse_conv_bn, fold_conv_bn, fusion_report
 from clfast.cpu_kernels import set_gemm_backward, gemm_backward_choices
-from clfast.fused import set_layer_way
+from clfast.fused import set_layer_way, recomputes
+from clfast.recompute import recomputed_outputs
 from clfast.machine import STEADY_HEAP   # glibc kept from faulting in fresh pages each step (`--steady-heap`)
 
 MiB = 2**20
@@ -37,15 +38,17 @@ def cpu_amps(args) -> list:
     "The CPU autocast dtypes a section times: None (fp32), then bf16 where native (or asked for with --cpu-bf16)"
     return [None] + ([torch.bfloat16] if args.cpu_bf16 or cpu_has_native_bf16() else [])
 
-def saved_bytes(model, x):
-    "Bytes of the unique storages autograd saves for backward during one forward (parameters counted apart)"
+def saved_bytes(model, x, recipes:bool|None=None):
+    "Bytes of the unique storages autograd saves for backward during one forward (parameters counted apart; `recipes` as `train_step_fn`'s)"
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     store = {}
     def pack(t):
         s = t.untyped_storage()
         store[s.data_ptr()] = s.nbytes()
         return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): out = model(x)
+    if recipes is None: recipes = recomputes(model)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with recomputed_outputs() if recipes else contextlib.nullcontext(): out = model(x)
     del out
     act = sum(n for p, n in store.items() if p not in params)
     return act, sum(store.values()) - act
@@ -72,11 +75,15 @@ def paired_ratios(times:dict, base:str, k:str) -> str:
     m, lo, hi = paired_stats(times, base, k)
     return f"paired {base}/{k}: median {m:.3f} (quartiles {lo:.3f}-{hi:.3f}, n={len(times[k])})"
 
-def train_step_fn(model, x, dev='cpu', amp=None):
+def train_step_fn(model, x, dev='cpu', amp=None, recipes:bool|None=None):
+    """One SGD training step of `model` on `x`; `recipes`: its forward inside `recomputed_outputs()`, as fastai's fit runs
+    a model with 'memory' layers (None: where it has them; False: their conv recomputed in backward, the old way)"""
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if recipes is None: recipes = recomputes(model)
     def f():
         with torch.autocast(dev, dtype=amp, enabled=amp is not None):
-            loss = model(x).float().logsumexp(1).mean()
+            with recomputed_outputs() if recipes else contextlib.nullcontext(): out = model(x)
+            loss = out.float().logsumexp(1).mean()
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
         if dev == 'cuda': torch.cuda.synchronize()
     return f
@@ -107,6 +114,7 @@ def section_train(args):
         # such a forward; the MALLOC_* settings in BENCHMARKS.md make the order irrelevant)
         for amp in amps:
             fns = {k: train_step_fn(m, x, amp=amp) for k, m in models.items()}
+            fns['memory_conv'] = train_step_fn(models['memory'], x, amp=amp, recipes=False)   # the old 'memory'
             # 'speed' again with every conv's backward left to ATen: what the GEMM way, where timing chose it, brings
             fns['speed_conv'] = with_setting(fns['speed'], set_gemm_backward, 'conv')
             raw = interleaved(fns, args.rounds, warmup=2)
@@ -114,17 +122,18 @@ def section_train(args):
             print(f"  {'bf16 autocast' if amp else 'fp32'}:")
             for k, t in times.items():
                 print(f"train step {k:>8}: {t*1000:8.1f} ms   speedup vs stock_cl = {times['stock_cl']/t:.3f}")
-            for k in ('speed', 'memory', 'speed_conv'): print("  " + paired_ratios(raw, 'stock_cl', k))
+            for k in ('speed', 'memory', 'speed_conv', 'memory_conv'): print("  " + paired_ratios(raw, 'stock_cl', k))
             print("  " + paired_ratios(raw, 'speed_conv', 'speed'))
+            print("  " + paired_ratios(raw, 'memory_conv', 'memory'))
             chosen = gemm_backward_choices()
             for way in ('gemm', 'fp32'):
                 won = [f"{x}->{'x'.join(map(str, w))}/{st[0]}" for (x, w, st, *_), v in chosen.items() if v == way]
                 print(f"  conv backward shapes timed in this process: {len(chosen)}, the {way} way won {len(won)}: {', '.join(won)}")
         base = None
-        for k, m in models.items():
-            act, par = saved_bytes(m, x)
+        for k, (m, recipes) in {**{k: (m, None) for k, m in models.items()}, 'memory_conv': (models['memory'], False)}.items():
+            for _ in range(2): act, par = saved_bytes(m, x, recipes)   # the second: a layer whose recipe nothing took keeps no y
             base = base or act
-            print(f"saved activations {k:>8}: {act/MiB:8.1f} MiB ({act/base:6.1%} of stock_cl)")
+            print(f"saved activations {k:>11}: {act/MiB:8.1f} MiB ({act/base:6.1%} of stock_cl)")
 
 def section_infer(args):
     "fold_conv_bn + channels-last (oneDNN) against stock and torch.compile (inductor), fp32 and bf16 autocast"

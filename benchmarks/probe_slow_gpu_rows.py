@@ -211,6 +211,7 @@ def adam(model):
 def part2(args, dev) -> dict:
     import copy, torchvision
     from clfast.fuse import fuse_conv_bn
+    from clfast.recompute import recomputed_outputs
     base = getattr(torchvision.models, args.model)().to(dev).to(memory_format=torch.channels_last)
     g = torch.Generator().manual_seed(0)
     xb = torch.randn(args.bs, 3, args.px, args.px, generator=g).to(dev).contiguous(memory_format=torch.channels_last)
@@ -234,7 +235,8 @@ def part2(args, dev) -> dict:
 
                 def step(record=False):
                     t0 = time.perf_counter()
-                    with torch.autocast(dev.type, dtype=dt):
+                    # 'memory' layers' outputs saved as recipes, as fastai's fit does (`ChannelsLast`)
+                    with torch.autocast(dev.type, dtype=dt), (recomputed_outputs() if way == 'memory' else contextlib.nullcontext()):
                         pred = model(xb)
                     loss = F.cross_entropy(pred.float(), yb)
                     scaler.scale(loss).backward()

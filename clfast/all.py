@@ -6,6 +6,7 @@ from .callback import *
 from .graphs import *
 from .audit import *
 from .fused import *
+from .recompute import recomputed_outputs
 from .fuse import *
 from .bad_kernels import *
 from .routes import *

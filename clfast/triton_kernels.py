@@ -13,8 +13,8 @@ from .reference import acc_dtype
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['LAUNCH_WAYS', 'launch_way', 'Tiles', 'tiling', 'launching', 'stats', 'fwd', 'bwd', 'layer_fwd', 'batch_stats',
-           'update_running', 'layer_bwd']
+__all__ = ['LAUNCH_WAYS', 'launch_way', 'Tiles', 'tiling', 'launching', 'stats', 'fwd', 'bwd', 'layer_fwd', 'layer_out',
+           'batch_stats', 'update_running', 'layer_bwd']
 
 # %% ../nbs/20_triton_kernels.ipynb #9f53cb16
 @triton.jit
@@ -619,7 +619,7 @@ def _conv(x, weight, bias, geom) -> Tensor:
                                    _lst(geom.dilation, n), False, [0] * n, geom.groups)
     return _cl(y)
 
-# %% ../nbs/20_triton_kernels.ipynb #55866571
+# %% ../nbs/20_triton_kernels.ipynb #c69110da
 def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, bn_bias:Tensor|None,
               residual:Tensor|None, mean:Tensor|None, var:Tensor|None, geom, eps:float, act:int, act_param:float,
               keep_y:bool, y:Tensor|None=None, running:tuple|None=None) -> tuple[Tensor, Tensor, Tensor]:
@@ -644,6 +644,15 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
                     prm if b is None else b, k, prm, c, HAS_W=w is not None, HAS_B=b is not None, BLOCK_C=pl.bc)
         _fwd_into(y, m, prm, None if residual is None else _cl(residual), k, int(act), out)
     return out, (y if keep_y else y.new_empty(0)), prm
+
+def layer_out(y:Tensor, params:Tensor, act:int, act_param:float, eps:float) -> Tensor:
+    """A layer's output again (no residual) from its conv output `y` and the `params` its forward returned: the
+    forward's `_fwd` pass alone, bit for bit (`clfast.recompute`'s recipes, where these kernels are called directly)"""
+    y, c = _cl(y), y.shape[1]
+    out = torch.empty_like(y)
+    with _on(y): _fwd_into(y, y.numel() // c, params, None, _consts(float(act_param), float(eps), params.dtype, y.device),
+                           int(act), out)
+    return out
 
 # %% ../nbs/20_triton_kernels.ipynb #0f61880e
 def batch_stats(y:Tensor) -> tuple[Tensor, Tensor]:

@@ -87,6 +87,24 @@ def test_efficientnet_step():
     _train_step_matches(lambda: timm.create_model('tinynet_e', num_classes=4).to(memory_format=torch.channels_last),
                         x, rtol=1e-5)
 
+def test_memory_recipes_step():
+    """'memory' inside `recomputed_outputs()` (`clfast.recompute`): each recipe recomputes its layer's output by the
+    forward's apply pass over its params (`triton_kernels.layer_out`), and the step's gradients and statistics are the
+    conv recompute's, bit for bit, with fewer convs in backward (tinynet_e: SE products, depthwise convs, residuals)"""
+    import timm
+    from test_recompute import train_steps
+    model = timm.create_model('tinynet_e', num_classes=4).to(memory_format=torch.channels_last)
+    fuse_conv_bn(model, 'memory')
+    x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    old = train_steps(copy.deepcopy(model), x, recipes=False, bf16=False, steps=1)
+    calls, real = [], triton_kernels.layer_out
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_kernels, 'layer_out', lambda *a: calls.append(1) or real(*a))
+        new = train_steps(copy.deepcopy(model), x, recipes=True, bf16=False, steps=1)
+    assert calls
+    for what in ('grads', 'buffers'): assert all(torch.equal(a, b) for a, b in zip(old[what], new[what])), what
+    assert new['convs'] < old['convs']
+
 @pytest.mark.parametrize('mode', ['speed', 'memory'])
 @pytest.mark.parametrize('act,res', [('relu', True), ('silu', False), ('none', False)])
 def test_launches_are_the_traffic_models(act, res, mode):

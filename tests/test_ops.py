@@ -283,7 +283,7 @@ def interpreted(tmp_path_factory):
     shutil.copytree(ROOT/'clfast', tmp/'none'/'clfast', ignore=shutil.ignore_patterns('*.so', '__pycache__'))
     start('none', '_triton_interp_layer.py', path_first=tmp/'none', CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP='none',
           CXX=str(tmp/'no-compiler'), TORCH_EXTENSIONS_DIR=str(tmp/'extensions'))
-    start('cpp', '_triton_interp_layer.py', ['-k', 'not (test_layer or resnet_step or efficientnet_step)'],
+    start('cpp', '_triton_interp_layer.py', ['-k', 'not (test_layer or resnet_step or efficientnet_step or recipes_step)'],
           CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP='cpp')
     def run(name) -> tuple[int, str]:
         log, p = runs[name]

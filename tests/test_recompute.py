@@ -1,0 +1,159 @@
+"""clfast.recompute: inside `recomputed_outputs()` the outputs of fused 'memory' layers without a residual are saved as
+recipes and recomputed element-wise in backward: the same gradients bit for bit as the conv recomputed (the old way),
+at its memory, with fewer convs in backward; the old way outside the block, under a checkpoint and for a compiled model"""
+import copy, random
+import pytest, timm, torch
+from torch import nn
+from torch.profiler import profile, ProfilerActivity
+from torch.utils.checkpoint import checkpoint
+import clfast.callback   # noqa: F401  (Learner.to_channelslast is clfast's)
+from clfast.fuse import fuse_conv_bn
+from clfast.fused import FusedConvBN2d, recomputes
+from clfast.recompute import recomputed_outputs, recomputing
+from helpers import tiny_learner
+
+def saved_bytes(store:dict, params:set):
+    "Hooks counting the distinct storages saved for backward (parameters left out), outside the block's own"
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params: store[s.data_ptr()] = s.nbytes()
+        return t
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+def train_steps(model, x, recipes:bool, bf16:bool, steps:int=2) -> dict:
+    """`steps` training forwards and backwards of `model` on `x` (no optimizer: the same weights), the forward inside
+    `recomputed_outputs()` where `recipes`; the last step's gradients, the buffers, its saved bytes and the convs that
+    its backward ran (a 'memory' layer recomputing its conv runs one)"""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for _ in range(steps):
+        model.zero_grad()
+        store = {}
+        with saved_bytes(store, params), torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
+            if recipes:
+                with recomputed_outputs(): out = model(x)
+            else: out = model(x)
+        with profile(activities=[ProfilerActivity.CPU]) as prof: out.float().square().mean().backward()
+    return dict(grads=[p.grad for p in model.parameters()], buffers=[b.clone() for b in model.buffers()],
+                saved=sum(store.values()), convs=sum(e.name == 'aten::convolution' for e in prof.events()))
+
+@pytest.mark.parametrize('bf16', [False, True])
+@pytest.mark.parametrize('arch', ['resnet18', 'efficientnet_b0'])
+def test_recipes_train_as_the_conv_recompute_bit_for_bit(arch, bf16):
+    """Residual blocks, a downsample whose output only an addition reads, depthwise convs, squeeze-excitation products
+    that save a layer's output: the recipes give the old way's gradients and statistics exactly, at its memory"""
+    model = timm.create_model(arch, num_classes=4).to(memory_format=torch.channels_last)
+    fuse_conv_bn(model, 'memory')
+    assert recomputes(model)
+    x = torch.randn(2, 3, 48, 48).to(memory_format=torch.channels_last)
+    old = train_steps(copy.deepcopy(model), x, recipes=False, bf16=bf16)
+    new = train_steps(copy.deepcopy(model), x, recipes=True, bf16=bf16)
+    for what in ('grads', 'buffers'):
+        assert all(torch.equal(a, b) for a, b in zip(old[what], new[what])), what
+    fused = sum(isinstance(m, FusedConvBN2d) for m in model.modules())
+    assert old['convs'] == fused, "the old way recomputes every fused layer's conv"
+    assert new['convs'] < 0.6 * fused, f"{new['convs']} of {fused} fused layers recomputed their conv"
+    # the second step: a layer whose recipe nothing took (the downsample) went back to recomputing its conv
+    assert new['saved'] <= 1.01 * old['saved'], (new['saved'], old['saved'])
+
+def test_recipes_against_fp64():
+    "A chain of 'memory' layers and a product that saves a layer's output, trained in fp32 with recipes, against fp64"
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(6, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.SiLU(),
+                          nn.Conv2d(16, 16, 3, padding=1, groups=16, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 8, 1, bias=False), nn.BatchNorm2d(8))
+    with torch.no_grad():
+        for m in stock:
+            if isinstance(m, nn.BatchNorm2d): m.weight.uniform_(0.5, 1.5); m.bias.uniform_(-0.5, 0.5)
+    oracle, model = copy.deepcopy(stock).double(), fuse_conv_bn(copy.deepcopy(stock), 'memory')
+    assert sum(isinstance(m, FusedConvBN2d) for m in model.modules()) == 3
+    x = torch.randn(4, 6, 10, 10)
+    g = torch.randn(4, 8, 10, 10)
+    def step(m, x, recipes):
+        with recomputed_outputs() if recipes else torch.enable_grad():
+            h = m[:3](x)
+            out = m[3:](h * h.sum((2, 3), keepdim=True).sigmoid())   # a squeeze-excitation-like product saves h
+        (out * g.to(out.dtype)).sum().backward()
+        return [p.grad for p in m.parameters()] + list(m.buffers())
+    got = step(model, x.to(memory_format=torch.channels_last), recipes=True)
+    want = step(oracle, x.double(), recipes=False)
+    for a, b in zip(got, want):
+        if not b.is_floating_point():   # num_batches_tracked
+            assert torch.equal(a, b)
+            continue
+        err = ((a.double() - b).norm() / b.norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, err
+
+def test_old_way_outside_the_block_and_under_a_checkpoint():
+    """Outside `recomputed_outputs()` a 'memory' layer keeps its input alone; a non-reentrant checkpoint's block inside
+    it saves and recomputes as without (its recomputation must save what its forward saved), and trains the same"""
+    layer = FusedConvBN2d(8, 8, 3, padding=1, mode='memory').to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 12, 12).to(memory_format=torch.channels_last).requires_grad_()
+    def saved(recipes):
+        store = {}
+        with saved_bytes(store, {p.untyped_storage().data_ptr() for p in layer.parameters()}):
+            with recomputed_outputs() if recipes else torch.enable_grad(): layer(x)
+        return sum(store.values())
+    assert saved(False) < saved(True)   # y kept inside the block: a later layer's save takes the recipe
+    grads = []
+    for recipes in (False, True):
+        layer.zero_grad()
+        with recomputed_outputs() if recipes else torch.enable_grad():
+            out = checkpoint(lambda t: layer(layer(t)), x, use_reentrant=False)
+            assert recomputing() == recipes
+        out.sum().backward()
+        grads.append(layer.weight.grad.clone())
+    assert torch.equal(*grads)
+
+def test_in_place_changes_are_caught():
+    "A tensor saved as it is and changed in place before backward raises as autograd does; so does a BN weight a recipe needs"
+    x = torch.randn(5, requires_grad=True)
+    with recomputed_outputs(): y = x.exp()
+    with torch.no_grad(): y.mul_(2)
+    with pytest.raises(RuntimeError, match='modified by an inplace operation'): y.sum().backward()
+    a, b = (FusedConvBN2d(4, 4, 3, padding=1, mode='memory') for _ in range(2))
+    x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)
+    with recomputed_outputs(): out = b(a(x))
+    with torch.no_grad(): a.bn.weight.add_(1)
+    with pytest.raises(RuntimeError, match='step the optimizer after the backward'): out.sum().backward()
+
+def test_not_reentrant_and_left_cleanly():
+    ctx = recomputed_outputs()
+    with ctx:
+        with pytest.raises(RuntimeError, match='not reentrant'): ctx.__enter__()
+        assert recomputing()
+    assert not recomputing()
+    with pytest.raises(ZeroDivisionError):
+        with recomputed_outputs(): 1 / 0
+    assert not recomputing()
+
+def test_fit_enters_the_block_for_training_forwards_only():
+    """`to_channelslast(fuse='memory')`: each training forward runs inside `recomputed_outputs()` (seen from the user's
+    event functions, which run after ChannelsLast's own work), validation and what follows the forward outside it,
+    also after a step that raised; and the fit trains as `fuse='speed'` run fused does, bit for bit"""
+    seen = []
+    def look(event): return lambda cb: seen.append((event, cb.training, recomputing()))
+    learn = tiny_learner().to_channelslast(use_amp=False, fuse='memory')
+    cl = learn.cbs.filter(lambda c: type(c).__name__ == 'ChannelsLast')[0]
+    cl.user_events.update(before_batch=look('before_batch'), after_pred=look('after_pred'))
+    learn.fit(1, 1e-2)
+    assert ('before_batch', True, True) in seen and ('before_batch', False, False) in seen
+    assert all(not inside for e, train, inside in seen if e == 'after_pred' or not train)
+    assert not recomputing()
+
+    class Boom(Exception): pass
+    def boom(cb): raise Boom('raised in a training step')
+    cl.user_events['before_batch'] = boom   # after ChannelsLast entered the block
+    with pytest.raises(Boom, match='raised in a training step'): learn.fit(1)
+    assert not recomputing()
+
+    from clfast.fused import set_layer_way
+    weights = []
+    for fuse in ('memory', 'speed'):
+        before = set_layer_way('fused')   # 'speed' fused in every layer, as 'memory' always is
+        try:
+            torch.manual_seed(0); random.seed(0)   # the same initial weights, the same shuffles
+            learn = tiny_learner().to_channelslast(use_amp=False, fuse=fuse)
+            learn.fit(1, 1e-2)
+        finally: set_layer_way(before)
+        weights.append([p.detach().clone() for p in learn.model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))

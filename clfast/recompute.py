@@ -12,48 +12,33 @@ from torch.utils.weak import WeakIdKeyDictionary
 # %% auto #0
 __all__ = ['remember', 'remembers', 'recomputing', 'recomputed_outputs']
 
-# %% ../nbs/23a_recompute.ipynb #1201df07
+# %% ../nbs/23a_recompute.ipynb #de2075f5
 _recipes = WeakIdKeyDictionary()   # a fused layer's output -> its `_Recipe`, for as long as the output lives
 _layers = weakref.WeakKeyDictionary()   # a layer that remembered (its key: its conv module) -> [outputs remembered, recipes saved]
 _top_hooks = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)   # torch >= 2.5
 
 class _Recipe:
-    "How to recompute a fused layer's output in backward: the forward's kernel op again over the conv's output `y`"
-    __slots__ = ('y', 'params', 'bn_weight', 'bn_bias', 'mean', 'var', 'eps', 'act', 'act_param', 'versions',
-                 'out_version', 'counts')
-    def __init__(self, out:Tensor, y:Tensor, params, bn_weight, bn_bias, mean, var, eps:float, act:int, act_param:float,
-                 counts:list):
-        self.y, self.params, self.bn_weight, self.bn_bias, self.mean, self.var = y, params, bn_weight, bn_bias, mean, var
-        self.eps, self.act, self.act_param, self.out_version = eps, act, act_param, out._version
-        self.versions, self.counts = _versions(bn_weight, bn_bias), counts
+    """How to recompute a fused layer's output in backward: the forward's apply pass again, over the conv's output `y`
+    and the `params` (scale and shift rows) the forward normalized with, bit for bit (`clfast::layer_out`)"""
+    __slots__ = ('y', 'params', 'act', 'act_param', 'direct', 'out_version', 'counts')
+    def __init__(self, out:Tensor, y:Tensor, params:Tensor, act:int, act_param:float, direct:bool, counts:list):
+        self.y, self.params, self.act, self.act_param, self.direct = y, params, act, act_param, direct
+        self.out_version, self.counts = out._version, counts
 
     def __call__(self) -> Tensor:
-        if _versions(self.bn_weight, self.bn_bias) != self.versions:
-            raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
-                               "operation: a fused layer's BatchNorm weight or bias changed between its forward and the "
-                               "backward, which recomputes the layer's output from them (fuse='memory'); step the "
-                               "optimizer after the backward")
-        if self.params is not None:   # the Triton kernels, called directly: the forward's apply pass over its params
+        if self.direct:   # the Triton kernels, called as functions where the forward called them so (`clfast.ops._direct`)
             from clfast.triton_kernels import layer_out
-            return layer_out(self.y, self.params, self.act, self.act_param, self.eps)
-        # the kernel op (the C++ kernels compute the apply from double statistics that params holds rounded): the
-        # statistics again from y (the same kernel over the same tensor: the same bits), then the same apply
-        out, _, _ = torch.ops.clfast.layer_fwd(self.y, None, None, self.bn_weight, self.bn_bias, None, self.mean,
-                                               self.var, [1, 1], [0, 0], [1, 1], 1, self.eps, self.act, self.act_param, False)
-        return out
+            return layer_out(self.y, self.params, self.act, self.act_param)
+        return torch.ops.clfast.layer_out(self.y, self.params, self.act, self.act_param)
 
-def _versions(*ts) -> tuple: return tuple(None if t is None else t._version for t in ts)
-
-def remember(layer, out:Tensor, y:Tensor, params:Tensor|None, bn_weight:Tensor|None, bn_bias:Tensor|None,
-             mean:Tensor|None, var:Tensor|None, eps:float, act:int, act_param:float):
-    """Let `out`, the output `act(batch_norm(y))` of the fused layer `layer` (its conv module; no residual; `mean`/`var`
-    the statistics it was given, or None for the batch's), be saved for backward as a recipe over `y` while
-    `recomputed_outputs()` is active. `params`: the layer's, where its kernels were Triton's called directly (their
-    apply pass recomputes the output from them), else None (the kernel op recomputes it from `y`)"""
+def remember(layer, out:Tensor, y:Tensor, params:Tensor, act:int, act_param:float, direct:bool=False):
+    """Let `out`, the output `act(batch_norm(y))` of the fused layer `layer` (its conv module; no residual) whose forward
+    returned `params`, be saved for backward as a recipe over `y` while `recomputed_outputs()` is active; `direct`: its
+    kernels were Triton's, called as functions (the recipe calls them so too)"""
     counts = _layers.get(layer)
     if counts is None: counts = _layers[layer] = [0, 0]
     counts[0] += 1
-    _recipes[out] = _Recipe(out, y, params, bn_weight, bn_bias, mean, var, eps, act, act_param, counts)
+    _recipes[out] = _Recipe(out, y, params, act, act_param, direct, counts)
 
 def remembers(layer) -> bool:
     """Whether the fused layer `layer` (its conv module) should remember its outputs: yes, unless those it remembered

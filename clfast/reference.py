@@ -10,7 +10,7 @@ from torch import Tensor
 from .act import ACTS, Act
 
 # %% auto #0
-__all__ = ['PARAM_ROWS', 'as_rows', 'from_rows', 'acc_dtype', 'ConvGeometry', 'ref_layer_fwd', 'ref_batch_stats',
+__all__ = ['PARAM_ROWS', 'as_rows', 'from_rows', 'acc_dtype', 'ConvGeometry', 'ref_layer_fwd', 'ref_layer_out', 'ref_batch_stats',
            'ref_update_running', 'ref_layer_bwd']
 
 # %% ../nbs/21_reference.ipynb #7c1c64ea
@@ -29,7 +29,7 @@ def acc_dtype(dt:torch.dtype) -> torch.dtype:
     "The accumulation / per-channel dtype for inputs of dtype `dt`: float64 for float64, float32 otherwise"
     return torch.float64 if dt == torch.float64 else torch.float32
 
-# %% ../nbs/21_reference.ipynb #17ad1e17
+# %% ../nbs/21_reference.ipynb #7c599f05
 PARAM_ROWS = ('mean', 'invstd', 'scale', 'shift', 'var')
 
 class ConvGeometry(NamedTuple):
@@ -74,6 +74,12 @@ def ref_layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom
     if residual is not None: z = z + as_rows(residual).to(acc)
     out = _fresh(_act_of(act)(z, act_param), y)
     return out, (y if keep_y else _empty(y)), torch.stack([mean, invstd, scale, shift, var])
+
+def ref_layer_out(y, params, act, act_param):
+    "A layer's output again (no residual) from its conv output `y` and the `params` its forward returned: `ref_layer_fwd`'s apply"
+    y = y.contiguous(memory_format=torch.channels_last)
+    z = as_rows(y).to(params.dtype) * params[2] + params[3]
+    return _fresh(_act_of(act)(z, act_param), y)
 
 def ref_batch_stats(y):
     "Per-channel `(mean, biased var)` of `y`, accumulation dtype (the synchronized layer's statistics)"

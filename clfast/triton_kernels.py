@@ -619,7 +619,7 @@ def _conv(x, weight, bias, geom) -> Tensor:
                                    _lst(geom.dilation, n), False, [0] * n, geom.groups)
     return _cl(y)
 
-# %% ../nbs/20_triton_kernels.ipynb #c69110da
+# %% ../nbs/20_triton_kernels.ipynb #860c5109
 def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, bn_bias:Tensor|None,
               residual:Tensor|None, mean:Tensor|None, var:Tensor|None, geom, eps:float, act:int, act_param:float,
               keep_y:bool, y:Tensor|None=None, running:tuple|None=None) -> tuple[Tensor, Tensor, Tensor]:
@@ -645,12 +645,12 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
         _fwd_into(y, m, prm, None if residual is None else _cl(residual), k, int(act), out)
     return out, (y if keep_y else y.new_empty(0)), prm
 
-def layer_out(y:Tensor, params:Tensor, act:int, act_param:float, eps:float) -> Tensor:
+def layer_out(y:Tensor, params:Tensor, act:int, act_param:float) -> Tensor:
     """A layer's output again (no residual) from its conv output `y` and the `params` its forward returned: the
-    forward's `_fwd` pass alone, bit for bit (`clfast.recompute`'s recipes, where these kernels are called directly)"""
+    forward's `_fwd` pass alone, bit for bit (`clfast.recompute`'s recipes)"""
     y, c = _cl(y), y.shape[1]
     out = torch.empty_like(y)
-    with _on(y): _fwd_into(y, y.numel() // c, params, None, _consts(float(act_param), float(eps), params.dtype, y.device),
+    with _on(y): _fwd_into(y, y.numel() // c, params, None, _consts(float(act_param), 0., params.dtype, y.device),
                            int(act), out)
     return out
 

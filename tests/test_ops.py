@@ -178,6 +178,34 @@ def test_opcheck(kw):
     for momentum in (0.1, None):
         torch.library.opcheck(torch.ops.clfast.conv_bn_act.default, _layer_args(**kw, momentum=momentum))
 
+@pytest.mark.parametrize('dt', [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize('kernels', ['kernel', 'ref'])
+def test_layer_out_is_the_forwards_output(kernels, dt):
+    """`clfast::layer_out` (`clfast.recompute`'s recipes) gives back a layer's output from its conv output and params,
+    bit for bit, for every activation (a layer without a residual, batch or given statistics); it passes opcheck"""
+    ops.kernels_ready()
+    x, w, b, bw, bb, _, _, _, *geom, eps, _, _, _ = _op_args(res=False)
+    x, w, b = x.to(dt), w.to(dt), b.to(dt)
+    given = (torch.randn(4), torch.rand(4) + .5)
+    with (contextlib.nullcontext() if kernels == 'kernel' else ops.kernels_from('ref')):
+        for name, a in ACTS.items():
+            p = 0.1 if name == 'leaky_relu' else 0.
+            for mean, var in ((None, None), given):
+                out, y, params = torch.ops.clfast.layer_fwd(x, w, b, bw, bb, None, mean, var, *geom, eps, a.code, p, True)
+                again = torch.ops.clfast.layer_out(y, params, a.code, p)
+                assert torch.equal(again, out) and again.stride() == out.stride(), (name, mean is None)
+        torch.library.opcheck(torch.ops.clfast.layer_out.default, (y, params, a.code, p))
+
+def test_layer_out_refuses_other_params():
+    "The C++ kernel reads params' scale and shift rows as the forward wrote them: any other tensor is refused"
+    if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
+    ops.kernels_ready()
+    x, w, b, bw, bb, _, mean, var, *geom, eps, act, p, _ = _op_args(res=False)
+    _, y, params = torch.ops.clfast.layer_fwd(x, w, b, bw, bb, None, mean, var, *geom, eps, act, p, True)
+    for bad in (params[:4], params.double(), params.t().contiguous().t()):
+        with pytest.raises(ValueError, match=r"params must be the layer forward's contiguous \[5, 4\] Float tensor"):
+            torch.ops.clfast.layer_out(y, bad, act, p)
+
 @pytest.mark.parametrize('kernels', ['kernel', 'ref'])
 def test_opcheck_half_precision_backward(kernels):
     """A bf16 layer's backward passes opcheck with results not needed (empty): the fake's empties are the kernels', in

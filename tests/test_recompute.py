@@ -104,17 +104,31 @@ def test_old_way_outside_the_block_and_under_a_checkpoint():
         grads.append(layer.weight.grad.clone())
     assert torch.equal(*grads)
 
-def test_in_place_changes_are_caught():
-    "A tensor saved as it is and changed in place before backward raises as autograd does; so does a BN weight a recipe needs"
+def test_in_place_changes():
+    """A tensor saved as it is and changed in place before backward raises as autograd does; a remembered output
+    changed in place after its save is recomputed as it was when saved (what its consumer's backward needs), and one
+    changed before it is saved as it is"""
     x = torch.randn(5, requires_grad=True)
     with recomputed_outputs(): y = x.exp()
     with torch.no_grad(): y.mul_(2)
     with pytest.raises(RuntimeError, match='modified by an inplace operation'): y.sum().backward()
-    a, b = (FusedConvBN2d(4, 4, 3, padding=1, mode='memory') for _ in range(2))
+    torch.manual_seed(0)
+    a = FusedConvBN2d(4, 4, 3, padding=1, mode='memory').to(memory_format=torch.channels_last)
+    w = torch.randn(1, 4, 1, 1, requires_grad=True)
     x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)
-    with recomputed_outputs(): out = b(a(x))
-    with torch.no_grad(): a.bn.weight.add_(1)
-    with pytest.raises(RuntimeError, match='step the optimizer after the backward'): out.sum().backward()
+    grads = []
+    for change in (None, 'after', 'before'):
+        w.grad = None
+        with recomputed_outputs():
+            h = a(x)
+            if change == 'before':
+                with torch.no_grad(): h.add_(0)   # a new version: saved as it is
+            p = h * w   # saves h (w's gradient is the sum of h)
+        if change == 'after':
+            with torch.no_grad(): h.add_(1)   # autograd would refuse; the recipe gives the saved values
+        p.sum().backward()
+        grads.append(w.grad.clone())
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
 
 def test_not_reentrant_and_left_cleanly():
     ctx = recomputed_outputs()

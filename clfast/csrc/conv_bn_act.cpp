@@ -126,6 +126,25 @@ std::tuple<Tensor, Tensor, Tensor> layer_fwd(
   return {out, keep_y ? y : at::empty({0}, y.options()), params};
 }
 
+// A layer's output again (no residual) from its conv output and the params its forward returned: the forward's
+// normalize over the same scale and shift rows, bit for bit (clfast.recompute's recipes)
+Tensor layer_out(const Tensor& y_in, const Tensor& params, int64_t act, double act_param) {
+  Guards guards;
+  TORCH_CHECK_VALUE(y_in.dim() == 4 || y_in.dim() == 5, "clfast::layer_out (CPU): expected 4D (or 5D) y, got ",
+                    y_in.dim(), "D");
+  const Tensor y = channels_last(y_in);
+  const int64_t c = y.size(1);
+  TORCH_CHECK_VALUE(params.dim() == 2 && params.size(0) == 5 && params.size(1) == c && params.is_contiguous() &&
+                    params.scalar_type() == acc_type(y.scalar_type()),
+                    "clfast::layer_out (CPU): params must be the layer forward's contiguous [5, ", c, "] ",
+                    acc_type(y.scalar_type()), " tensor, got ", params.sizes(), " ", params.scalar_type());
+  Tensor out = at::empty_like(y);
+  const char* pp = static_cast<const char*>(params.const_data_ptr());
+  const size_t row = size_t(c) * params.element_size();
+  clfast_cpu::normalize(y, c, pp + 2 * row, pp + 3 * row, nullptr, act, act_param, out);
+  return out;
+}
+
 }  // namespace clfast_cpu
 
 namespace {
@@ -499,6 +518,7 @@ TORCH_LIBRARY(clfast_cpu, m) {
 
 TORCH_LIBRARY_IMPL(clfast, CPU, m) {  // the schemas: clfast/ops.py
   m.impl("layer_fwd", &clfast_cpu::layer_fwd);
+  m.impl("layer_out", &clfast_cpu::layer_out);
   m.impl("layer_bwd", &clfast_cpu::layer_bwd);
   m.impl("batch_stats", &batch_stats);
 }

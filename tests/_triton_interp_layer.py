@@ -87,6 +87,7 @@ def test_efficientnet_step():
     _train_step_matches(lambda: timm.create_model('tinynet_e', num_classes=4).to(memory_format=torch.channels_last),
                         x, rtol=1e-5)
 
+@pytest.mark.usefixtures('recipe_way')   # the recipes' path itself ('timed' may pick the old way at this size)
 def test_memory_recipes_step():
     """'memory' inside `recomputed_outputs()` (`clfast.recompute`): each recipe recomputes its layer's output by the
     forward's apply pass over its params (`triton_kernels.layer_out`), and the step's gradients and statistics are the

@@ -71,6 +71,15 @@ def fused_way():
     yield
     set_layer_way(before)
 
+@pytest.fixture
+def recipe_way():
+    """'memory' layers inside `recomputed_outputs()` remember their outputs wherever a recipe is taken (for tests of the
+    recipes: 'timed' picks per layer by this machine's clock, and at a test's sizes the old way can win everywhere)"""
+    from clfast.fused import set_recipe_way
+    before = set_recipe_way('recipe')
+    yield
+    set_recipe_way(before)
+
 @pytest.fixture(autouse=True)
 def _seed():
     "Every test starts from the same seeds, so failures reproduce (fastai's loaders shuffle with Python's `random`)"

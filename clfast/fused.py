@@ -202,7 +202,7 @@ def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
         # an eager step's time on a GPU: the host's and the device's
         return time_pair(fused_run, stock_run, (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else None)
 
-# %% ../nbs/23_fused.ipynb #dd315e54
+# %% ../nbs/23_fused.ipynb #837d7d92
 RECIPE_WAYS = ('recipe', 'conv', 'timed')
 _recipe_way = 'timed'
 _recipe_ways: dict[tuple, bool] = {}   # this process's choices by `_layer_key`: whether a 'memory' layer remembers
@@ -233,10 +233,10 @@ def _remembers(x:Tensor, conv:nn.Conv2d, bn:nn.Module, a, act_param:float, geom:
     return way
 
 def _timed_recipe(x:Tensor, conv:nn.Conv2d, bn:nn.Module, a, act_param:float, geom:ConvGeometry) -> Timing:
-    """The layer's step remembering its output, timed against its old 'memory' step (`time_pair`: the recipe is
-    chosen where it is faster by the margin: what a whole step adds besides, the hooks' work on every saved tensor, no
-    layer's timing sees), on copies; each with a consumer saving the output (a product), whose
-    backward recomputes it from the recipe. Both inside a `recomputed_outputs()` of their own, as a fit runs them"""
+    """The layer's step remembering its output, timed against its old 'memory' step, on copies, each with a consumer
+    that saves the output (a product, whose backward recomputes it from the recipe) and inside a `recomputed_outputs()`
+    of its own, as a fit runs them. The recipe is the candidate, chosen only where faster by `time_pair`'s margin: the
+    hooks' work on the step's other saved tensors is in no layer's timing"""
     conv2, bn2 = copy.deepcopy((conv, bn))
     x2 = x.detach().requires_grad_(x.requires_grad)
     factor = torch.ones((), device=x.device, requires_grad=True)   # its gradient needs the output: the product saves it

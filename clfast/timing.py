@@ -290,9 +290,10 @@ def forget_timings(prefix:str=''):
         cache.clear().update(kept)
     for k in [k for k in _here if k.startswith(prefix)]: del _here[k]; _here_threads.pop(k, None)
 
-# %% ../nbs/04a_timing.ipynb #ec852a05
+# %% ../nbs/04a_timing.ipynb #20551605
 _WAYS = {'amp': ('fp32', 'the half precision'), 'premise': ('the stock kernel', "clfast's route"),
-         'layer': ('the fused op', 'the stock modules'), 'conv_backward': ("ATen's conv backward", None)}   # (default, candidate) of each kind
+         'layer': ('the fused op', 'the stock modules'), 'conv_backward': ("ATen's conv backward", None),
+         'recipe': ("the conv recomputed ('memory')", "the output recomputed (a recipe)")}   # (default, candidate) of each kind
 
 def report() -> str:
     "This machine's decisions, one line each: the candidate's time over the default's, the pairs, the way chosen"

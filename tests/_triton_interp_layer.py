@@ -97,11 +97,11 @@ def test_memory_recipes_step():
     model = timm.create_model('tinynet_e', num_classes=4).to(memory_format=torch.channels_last)
     fuse_conv_bn(model, 'memory')
     x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
-    old = train_steps(copy.deepcopy(model), x, recipes=False, bf16=False, steps=1)
+    old = train_steps(copy.deepcopy(model), x, recipes=False, steps=1)
     calls, real = [], triton_kernels.layer_out
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(triton_kernels, 'layer_out', lambda *a: calls.append(1) or real(*a))
-        new = train_steps(copy.deepcopy(model), x, recipes=True, bf16=False, steps=1)
+        new = train_steps(copy.deepcopy(model), x, recipes=True, steps=1)
     assert calls
     for what in ('grads', 'buffers'): assert all(torch.equal(a, b) for a, b in zip(old[what], new[what])), what
     assert new['convs'] < old['convs']

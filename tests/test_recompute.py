@@ -1,6 +1,6 @@
 """clfast.recompute: inside `recomputed_outputs()` the outputs of fused 'memory' layers without a residual are saved as
 recipes and recomputed element-wise in backward: the same gradients bit for bit as the conv recomputed (the old way),
-at its memory, with fewer convs in backward; the old way outside the block, under a checkpoint and for a compiled model"""
+at its memory, with fewer convs in backward; the old way outside the block and under a checkpoint"""
 import copy, random
 import pytest, timm, torch
 from torch import nn
@@ -20,15 +20,15 @@ def saved_bytes(store:dict, params:set):
         return t
     return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
-def train_steps(model, x, recipes:bool, bf16:bool, steps:int=2) -> dict:
-    """`steps` training forwards and backwards of `model` on `x` (no optimizer: the same weights), the forward inside
-    `recomputed_outputs()` where `recipes`; the last step's gradients, the buffers, its saved bytes and the convs that
-    its backward ran (a 'memory' layer recomputing its conv runs one)"""
+def train_steps(model, x, recipes:bool, dtype=None, steps:int=2) -> dict:
+    """`steps` training forwards and backwards of `model` on `x` (no optimizer: the same weights), under autocast to
+    `dtype` where given, the forward inside `recomputed_outputs()` where `recipes`; the last step's gradients, the
+    buffers, its saved bytes and the convs that its backward ran (a 'memory' layer recomputing its conv runs one)"""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     for _ in range(steps):
         model.zero_grad()
         store = {}
-        with saved_bytes(store, params), torch.autocast('cpu', dtype=torch.bfloat16, enabled=bf16):
+        with saved_bytes(store, params), torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
             if recipes:
                 with recomputed_outputs(): out = model(x)
             else: out = model(x)
@@ -46,16 +46,30 @@ def test_recipes_train_as_the_conv_recompute_bit_for_bit(arch, bf16):
     fuse_conv_bn(model, 'memory')
     assert recomputes(model)
     x = torch.randn(2, 3, 48, 48).to(memory_format=torch.channels_last)
-    old = train_steps(copy.deepcopy(model), x, recipes=False, bf16=bf16)
-    new = train_steps(copy.deepcopy(model), x, recipes=True, bf16=bf16)
+    dtype = torch.bfloat16 if bf16 else None
+    old = train_steps(copy.deepcopy(model), x, recipes=False, dtype=dtype)
+    new = train_steps(copy.deepcopy(model), x, recipes=True, dtype=dtype)
     for what in ('grads', 'buffers'):
         assert all(torch.equal(a, b) for a, b in zip(old[what], new[what])), what
     fused = sum(isinstance(m, FusedConvBN2d) for m in model.modules())
     assert old['convs'] == fused, "the old way recomputes every fused layer's conv"
-    # the rest of them chose the recipe's apply pass, timed faster than their conv (a dense conv's always is)
+    # the others remembered (the fixture's way): their outputs' consumers recomputed them, element-wise
     assert new['convs'] < old['convs'], f"{new['convs']} of {fused} fused layers recomputed their conv"
     # the second step: a layer whose recipe nothing took (the downsample) went back to recomputing its conv
     assert new['saved'] <= 1.01 * old['saved'], (new['saved'], old['saved'])
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures('recipe_way')
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+def test_recipes_on_cuda_bit_for_bit(dtype):
+    "On CUDA (Triton's kernels called directly, their apply pass recomputing): the old way's gradients, bit for bit"
+    model = fuse_conv_bn(timm.create_model('resnet18', num_classes=4).cuda().to(memory_format=torch.channels_last), 'memory')
+    x = torch.randn(4, 3, 64, 64, device='cuda').to(memory_format=torch.channels_last)
+    old = train_steps(copy.deepcopy(model), x, recipes=False, dtype=dtype)
+    new = train_steps(copy.deepcopy(model), x, recipes=True, dtype=dtype)
+    for what in ('grads', 'buffers'):
+        assert all(torch.equal(a, b) for a, b in zip(old[what], new[what])), what
+    assert new['convs'] < old['convs'] and new['saved'] <= 1.01 * old['saved']
 
 @pytest.mark.usefixtures('recipe_way')
 def test_recipes_against_fp64():
@@ -184,12 +198,13 @@ def test_recipe_ways():
     from clfast.timing import timings
     with pytest.raises(ValueError, match="one of \\('recipe', 'conv', 'timed'\\)"): set_recipe_way('fast')
     model = fuse_conv_bn(timm.create_model('resnet18', num_classes=4).to(memory_format=torch.channels_last), 'memory')
-    x = torch.randn(2, 3, 48, 48).to(memory_format=torch.channels_last)
-    timed = train_steps(copy.deepcopy(model), x, recipes=True, bf16=False)
-    decided = {f"recipe:{k}" for k in _recipe_ways}   # each layer shape's choice, in this machine's timings
+    x = torch.randn(2, 3, 40, 40).to(memory_format=torch.channels_last)   # shapes no other test decides
+    before = set(_recipe_ways)
+    timed = train_steps(copy.deepcopy(model), x, recipes=True)
+    decided = {f"recipe:{k}" for k in set(_recipe_ways) - before}   # each layer shape's choice, in this machine's timings
     assert decided and decided <= set(timings('recipe:'))
     before = set_recipe_way('conv')
-    try: old = train_steps(copy.deepcopy(model), x, recipes=True, bf16=False)
+    try: old = train_steps(copy.deepcopy(model), x, recipes=True)
     finally: set_recipe_way(before)
     assert old['convs'] == sum(isinstance(m, FusedConvBN2d) for m in model.modules())
     assert all(torch.equal(a, b) for a, b in zip(timed['grads'], old['grads']))

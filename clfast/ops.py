@@ -353,7 +353,7 @@ def _layer_op(x:Tensor) -> Callable:
     if _loaded.get('cpu', 'not loaded') is None: return torch.ops.clfast.conv_bn_act
     return _conv_bn_act
 
-# %% ../nbs/21_ops.ipynb #0e01a50b
+# %% ../nbs/21_ops.ipynb #a4eb9674
 def _out_size(x:Tensor, weight:Optional[Tensor], geom:ConvGeometry) -> list[int]:
     if weight is None: return list(x.shape)
     (n, _, h, w), (c, _, kh, kw) = x.shape, weight.shape   # unrolled: this runs at every layer call
@@ -393,7 +393,6 @@ def _run_layer(x:Tensor, weight, bias, bn_weight, bn_bias, running_mean, running
         if batch_stats and not group and size[0] * size[2] * size[3] == 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size torch.Size({size})")
         if residual is not None and residual.dtype != x.dtype: residual = residual.to(x.dtype)
-    args = (x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked, training,
-            momentum, eps, *geometry, act.code, float(act_param), keep_y, group)
-    if remember is not None: return _conv_bn_act(*args, direct=_direct(x), remember=remember)
-    return _layer_op(x)(*args)
+    op = _layer_op(x) if remember is None else functools.partial(_conv_bn_act, direct=_direct(x), remember=remember)
+    return op(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked, training,
+              momentum, eps, *geometry, act.code, float(act_param), keep_y, group)

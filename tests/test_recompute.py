@@ -10,15 +10,8 @@ import clfast.callback   # noqa: F401  (Learner.to_channelslast is clfast's)
 from clfast.fuse import fuse_conv_bn
 from clfast.fused import FusedConvBN2d, recomputes
 from clfast.recompute import recomputed_outputs, recomputing
+from clfast.finder import _saved_bytes as saved_bytes   # the finder's count of saved storages: (params, store)
 from helpers import tiny_learner
-
-def saved_bytes(store:dict, params:set):
-    "Hooks counting the distinct storages saved for backward (parameters left out), outside the block's own"
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in params: store[s.data_ptr()] = s.nbytes()
-        return t
-    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 def train_steps(model, x, recipes:bool, dtype=None, steps:int=2) -> dict:
     """`steps` training forwards and backwards of `model` on `x` (no optimizer: the same weights), under autocast to
@@ -28,7 +21,7 @@ def train_steps(model, x, recipes:bool, dtype=None, steps:int=2) -> dict:
     for _ in range(steps):
         model.zero_grad()
         store = {}
-        with saved_bytes(store, params), torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
+        with saved_bytes(params, store), torch.autocast(x.device.type, dtype=dtype, enabled=dtype is not None):
             if recipes:
                 with recomputed_outputs(): out = model(x)
             else: out = model(x)
@@ -108,7 +101,7 @@ def test_old_way_outside_the_block_and_under_a_checkpoint():
     x = torch.randn(2, 8, 12, 12).to(memory_format=torch.channels_last).requires_grad_()
     def saved(recipes):
         store = {}
-        with saved_bytes(store, {p.untyped_storage().data_ptr() for p in layer.parameters()}):
+        with saved_bytes({p.untyped_storage().data_ptr() for p in layer.parameters()}, store):
             with recomputed_outputs() if recipes else torch.enable_grad(): layer(x)
         return sum(store.values())
     assert saved(False) < saved(True)   # y kept inside the block: a later layer's save takes the recipe

@@ -54,8 +54,10 @@ def test_recipes_train_as_the_conv_recompute_bit_for_bit(arch, bf16):
 @pytest.mark.cuda
 @pytest.mark.usefixtures('recipe_way')
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
-def test_recipes_on_cuda_bit_for_bit(dtype):
-    "On CUDA (Triton's kernels called directly, their apply pass recomputing): the old way's gradients, bit for bit"
+def test_recipes_on_cuda_bit_for_bit(dtype, monkeypatch):
+    """On CUDA (Triton's kernels called directly, their apply pass recomputing): the old way's gradients, bit for bit.
+    cuDNN's deterministic algorithms: some of its weight-gradient ones sum with atomics, whose order differs run to run"""
+    monkeypatch.setattr(torch.backends.cudnn, 'deterministic', True)
     model = fuse_conv_bn(timm.create_model('resnet18', num_classes=4).cuda().to(memory_format=torch.channels_last), 'memory')
     x = torch.randn(4, 3, 64, 64, device='cuda').to(memory_format=torch.channels_last)
     old = train_steps(copy.deepcopy(model), x, recipes=False, dtype=dtype)

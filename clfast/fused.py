@@ -202,7 +202,7 @@ def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, 
         # an eager step's time on a GPU: the host's and the device's
         return time_pair(fused_run, stock_run, (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else None)
 
-# %% ../nbs/23_fused.ipynb #837d7d92
+# %% ../nbs/23_fused.ipynb #3b1b0409
 RECIPE_WAYS = ('recipe', 'conv', 'timed')
 _recipe_way = 'timed'
 _recipe_ways: dict[tuple, bool] = {}   # this process's choices by `_layer_key`: whether a 'memory' layer remembers
@@ -220,7 +220,9 @@ def _remembers(x:Tensor, conv:nn.Conv2d, bn:nn.Module, a, act_param:float, geom:
     """Whether this 'memory' layer (no residual, inside `recomputed_outputs()`) keeps `y` and saves its output as a
     recipe: where its recipes were taken (`clfast.recompute.remembers`) and, under 'timed', that measured faster
     than the old way (`_timed_recipe`)"""
-    if not remembers(conv): return False
+    # whether the output will require a gradient (grad mode is on): a frozen layer's recipes are counted apart
+    grad = x.requires_grad or any(t is not None and t.requires_grad for t in (conv.weight, conv.bias, bn.weight, bn.bias))
+    if not remembers(conv, grad): return False
     if _recipe_way != 'timed': return _recipe_way == 'recipe'
     key = _layer_key(x, conv, bn, None, a, act_param, True)
     way = _recipe_ways.get(key)

@@ -12,9 +12,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 # %% auto #0
 __all__ = ['remember', 'remembers', 'recomputing', 'recomputed_outputs']
 
-# %% ../nbs/23a_recompute.ipynb #de2075f5
+# %% ../nbs/23a_recompute.ipynb #be1193aa
 _recipes = WeakIdKeyDictionary()   # a fused layer's output -> its `_Recipe`, for as long as the output lives
-_layers = weakref.WeakKeyDictionary()   # a layer that remembered (its key: its conv module) -> [outputs remembered, recipes saved]
+# a layer that remembered (its key: its conv module) -> {whether its outputs required a gradient: [outputs remembered,
+# recipes saved]}
+_layers = weakref.WeakKeyDictionary()
 _top_hooks = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)   # torch >= 2.5
 
 class _Recipe:
@@ -35,16 +37,21 @@ def remember(layer, out:Tensor, y:Tensor, params:Tensor, act:int, act_param:floa
     """Let `out`, the output `act(batch_norm(y))` of the fused layer `layer` (its conv module; no residual) whose forward
     returned `params`, be saved for backward as a recipe over `y` while `recomputed_outputs()` is active; `direct`: its
     kernels were Triton's, called as functions (the recipe calls them so too)"""
-    counts = _layers.get(layer)
-    if counts is None: counts = _layers[layer] = [0, 0]
+    states = _layers.get(layer)
+    if states is None: states = _layers[layer] = {}
+    counts = states.get(out.requires_grad)
+    if counts is None: counts = states[out.requires_grad] = [0, 0]
     counts[0] += 1
     _recipes[out] = _Recipe(out, y, params, act, act_param, direct, counts)
 
-def remembers(layer) -> bool:
-    """Whether the fused layer `layer` (its conv module) should remember its outputs: yes, unless those it remembered
-    were none saved for backward (a resnet's downsample, whose output only an addition reads): its `y`, kept for a
-    recipe nothing took, would be memory the old way does not spend"""
-    counts = _layers.get(layer)
+def remembers(layer, grad:bool=True) -> bool:
+    """Whether the fused layer `layer` (its conv module) should remember its outputs, which require a gradient or not
+    (`grad`): yes, unless those it remembered in that state were none saved for backward (a resnet's downsample, whose
+    output only an addition reads): its `y`, kept for a recipe nothing took, would be memory the old way does not
+    spend. Each state apart: a frozen layer's outputs (none requiring a gradient) are saved only by a trainable layer
+    after it, and once unfrozen its outputs are saved by the next layer whatever was frozen"""
+    states = _layers.get(layer)
+    counts = None if states is None else states.get(grad)
     return counts is None or counts[1] > 0
 
 # %% ../nbs/23a_recompute.ipynb #395fb9bd

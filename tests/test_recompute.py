@@ -51,6 +51,26 @@ def test_recipes_train_as_the_conv_recompute_bit_for_bit(arch, bf16):
     # the second step: a layer whose recipe nothing took (the downsample) went back to recomputing its conv
     assert new['saved'] <= 1.01 * old['saved'], (new['saved'], old['saved'])
 
+@pytest.mark.usefixtures('recipe_way')
+def test_a_model_trained_frozen_first_remembers_once_unfrozen():
+    """Frozen, a layer's outputs require no gradient and nothing saves them (a frozen backbone; fastai's `freeze` with
+    `train_bn=False`): their recipes, never taken, must not stop the layer remembering once it is unfrozen"""
+    model = fuse_conv_bn(timm.create_model('resnet18', num_classes=4).to(memory_format=torch.channels_last), 'memory')
+    x = torch.randn(2, 3, 48, 48).to(memory_format=torch.channels_last)
+    body = [p for n, p in model.named_parameters() if not n.startswith('fc.')]
+    for p in body: p.requires_grad_(False)
+    frozen = train_steps(model, x, recipes=True)
+    assert frozen['convs'] == 0, "frozen, no fused layer's backward runs"
+    for p in body: p.requires_grad_(True)
+    old = train_steps(copy.deepcopy(model), x, recipes=False)
+    new = train_steps(model, x, recipes=True)
+    for what in ('grads', 'buffers'):
+        assert all(torch.equal(a, b) for a, b in zip(old[what], new[what])), what
+    fused = sum(isinstance(m, FusedConvBN2d) for m in model.modules())
+    # resnet18's 3 downsamples (whose output only an addition reads) and 8 layers with a residual recompute their conv
+    assert old['convs'] == fused and new['convs'] == 11 < fused, (new['convs'], fused)
+    assert new['saved'] <= 1.01 * old['saved'], (new['saved'], old['saved'])
+
 @pytest.mark.cuda
 @pytest.mark.usefixtures('recipe_way')
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])

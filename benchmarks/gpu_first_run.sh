@@ -1,33 +1,34 @@
 #!/usr/bin/env bash
-# The one GPU script (BENCHMARKS.md, "The first GPU run"), inside one device call of 10 minutes: the C++ library (fused
-# modules load it when they are made, for CPU models; CUDA's eager step no longer goes through it; first, so that no
-# test pays for it: the one tools/gpu_wheels.sh built for this torch where it loads, else compiled here), Triton's
-# cache filled with the kernels' specializations for this GPU in one process per core (`python -m clfast.gpu_report
-# --warm-only CC`: about 25 s; it serves the launches where their cache keys are the offline compile's, which a CUDA
-# test checks, and the tests' and the fit's compile counts show), the CUDA tests (the Triton kernels and CUDA graphs
-# against fp64, the offline compile report against the GPU's own JIT; each failure's traceback kept), then the
-# probe of the rows that lose ('memory' in fp16, eager 'speed' at batch 64: benchmarks/probe_slow_gpu_rows.py),
-# the kernels' tilings against the default (benchmarks/sweep_kernel_tiles.py: each pass's fraction of a copy's
-# bandwidth, issue 34 item 5), a fused layer step's host time against stock's (`python -m clfast.host_cost --device
-# cuda`, Triton's launches included), the kernel benchmarks against stock cuDNN, and last, with what is left, training
-# through fastai's own `Learner.fit` (benchmarks/bench_gpu_fit.py: resnet50 and efficientnet_b0, batch 256 and 64,
-# bf16 and fp16, every setup issue 34 names, in rounds; the table last).
+# The one GPU script (BENCHMARKS.md, "The first GPU run"), inside one device call of 10 minutes, the one call a
+# session's 15 minutes of device time leave room for (a machine's start takes one to two of them): the C++ library
+# (fused modules load it when they are made, for CPU models; CUDA's eager step no longer goes through it; first, so
+# that no test pays for it: the one tools/gpu_wheels.sh built for this torch where it loads, else compiled here),
+# Triton's cache filled with the kernels' specializations for this GPU in one process per core (`python -m
+# clfast.gpu_report --warm-only CC`: about 25 s; it serves the launches where their cache keys are the offline
+# compile's, which a CUDA test checks, and the tests' and the fit's compile counts show), the CUDA tests (the Triton
+# kernels and CUDA graphs against fp64, the offline compile report against the GPU's own JIT; each failure's
+# traceback kept), training through fastai's own `Learner.fit` for at most FIT_S seconds (benchmarks/bench_gpu_fit.py:
+# every setup issue 34 names, in rounds, the table last; by default the fp16 groups, where the rows the last GPU run
+# left short or unmeasured are: 'memory', efficientnet_b0), then with what is left the probe of the rows that lose
+# ('memory' in fp16, eager 'speed' at batch 64: benchmarks/probe_slow_gpu_rows.py), a fused layer step's host time
+# against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included), the kernels' tilings
+# against the default (benchmarks/sweep_kernel_tiles.py: each pass's fraction of a copy's bandwidth, issue 34 item 5)
+# and the kernel benchmarks against stock cuDNN.
 #
-#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests probe tiles host kernels fit
+#   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests fit probe host tiles kernels
 #                                                       # (default: all, in that order)
 #
-# One call of 10 minutes runs the steps before the fit and leaves it little or nothing; a session's second call gives
-# the fit its own (`BUDGET=300 bash benchmarks/gpu_first_run.sh OUT build warm fit`; FIT_ARGS, e.g. "--models efficientnet_b0
-# --dtypes float16", go to bench_gpu_fit.py: the groups a run has not measured yet first).
-# BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests. fastai travels as wheels in .whl/, the kernels
-# in .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each
-# step is logged in OUT/ whatever the one before did; the exit status is the number of failed steps.
+# BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests; FIT_S (180) the fit where steps follow it (else
+# what is left); FIT_ARGS (default "--dtypes float16") go to bench_gpu_fit.py (e.g. "--models efficientnet_b0": the
+# groups no run has measured yet first; FIT_ARGS="" every group). fastai travels as wheels in .whl/, the kernels in
+# .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each step
+# is logged in OUT/ whatever the one before did; the exit status is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${1:-gpu_first_run}; shift || true
-STEPS=${*:-build warm tests probe tiles host kernels fit}
-BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}
+STEPS=${*:-build warm tests fit probe host tiles kernels}
+BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}; FIT_S=${FIT_S:-180}; FIT_ARGS=${FIT_ARGS---dtypes float16}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ! "$PY" -c 'import fastai' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
@@ -81,11 +82,11 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
           ${workers:+-n "$workers"} $(ls tests/test_*.py | grep -v -e test_timing -e test_host_cost -e test_gpu_report)
       else echo "== cuda-tests: not run (${rest}s of TESTS_S left)"; fi ;;
     # the fit: groups started until `--budget` (a group runs on past it, about 45 s), stopped at the step's limit (SIGINT:
-    # it still prints its table); 130 s kept for the steps after it, where any follow
-    fit) keep=$(case " $STEPS " in *" fit "[a-z]*) echo 130 ;; *) echo 10 ;; esac)
-         if [ "$(( $(left) - keep ))" -gt 60 ]; then step fit "$(( $(left) - keep ))" "$PY" benchmarks/bench_gpu_fit.py \
-           --budget "$(( $(left) - keep - 60 ))" ${FIT_ARGS:-}
-         else echo "== fit: not run ($(left)s left; a second call: BUDGET=300 ... build warm fit)"; fi ;;
+    # it still prints its table): FIT_S where steps follow it, else what is left
+    fit) lim=$(( $(left) - 10 ))
+         case " $STEPS " in *" fit "[a-z]*) [ "$lim" -gt "$FIT_S" ] && lim=$FIT_S ;; esac
+         if [ "$lim" -gt 60 ]; then step fit "$lim" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( lim - 50 ))" $FIT_ARGS
+         else echo "== fit: not run ($(left)s left)"; fi ;;
     # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes
     host) if [ "$(left)" -gt 60 ]; then step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50
           else echo "== host: not run ($(left)s left)"; fi ;;
@@ -102,7 +103,7 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
     kernels) lim=$(( $(left) - 5 < 60 ? $(left) - 5 : 60 ))
              if [ "$lim" -gt 30 ]; then step kernels:bench "$lim" "$PY" benchmarks/bench_kernels.py --device cuda --reps 3
              else echo "== kernels: not run ($(left)s left)"; fi ;;
-    *) echo "unknown step $s (build, warm, tests, probe, tiles, host, kernels, fit)"; failed=$((failed + 1)) ;;
+    *) echo "unknown step $s (build, warm, tests, fit, probe, host, tiles, kernels)"; failed=$((failed + 1)) ;;
   esac
 done
 echo "== $failed step(s) failed in ${SECONDS}s; logs in $OUT/"

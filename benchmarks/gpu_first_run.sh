@@ -8,7 +8,7 @@
 # compile's, which a CUDA test checks, and the tests' and the fit's compile counts show), the CUDA tests (the Triton
 # kernels and CUDA graphs against fp64, the offline compile report against the GPU's own JIT; each failure's
 # traceback kept), training through fastai's own `Learner.fit` for at most FIT_S seconds (benchmarks/bench_gpu_fit.py:
-# every setup issue 34 names, in rounds, the table last; by default the fp16 groups, where the rows the last GPU run
+# every setup issue 34 names, in rounds, the table last; by default fp16 at batch 256, where the rows the last GPU run
 # left short or unmeasured are: 'memory', efficientnet_b0), then with what is left the probe of the rows that lose
 # ('memory' in fp16, eager 'speed' at batch 64: benchmarks/probe_slow_gpu_rows.py), a fused layer step's host time
 # against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included), the kernels' tilings
@@ -19,7 +19,7 @@
 #                                                       # (default: all, in that order)
 #
 # BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests; FIT_S (180) the fit where steps follow it (else
-# what is left); FIT_ARGS (default "--dtypes float16") go to bench_gpu_fit.py (e.g. "--models efficientnet_b0": the
+# what is left); FIT_ARGS (default "--dtypes float16 --bs 256") go to bench_gpu_fit.py (e.g. "--models efficientnet_b0": the
 # groups no run has measured yet first; FIT_ARGS="" every group). fastai travels as wheels in .whl/, the kernels in
 # .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each step
 # is logged in OUT/ whatever the one before did; the exit status is the number of failed steps.
@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${1:-gpu_first_run}; shift || true
 STEPS=${*:-build warm tests fit probe host tiles kernels}
-BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}; FIT_S=${FIT_S:-180}; FIT_ARGS=${FIT_ARGS---dtypes float16}
+BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}; FIT_S=${FIT_S:-180}; FIT_ARGS=${FIT_ARGS---dtypes float16 --bs 256}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ! "$PY" -c 'import fastai' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then

@@ -19,10 +19,10 @@
 #                                                       # (default: all, in that order)
 #
 # BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests; FIT_S (180) the fit where steps follow it (else
-# what is left); FIT_ARGS (default "--dtypes float16 --bs 256") go to bench_gpu_fit.py (e.g. "--models efficientnet_b0": the
-# groups no run has measured yet first; FIT_ARGS="" every group). fastai travels as wheels in .whl/, the kernels in
-# .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai is missing. Each step
-# is logged in OUT/ whatever the one before did; the exit status is the number of failed steps.
+# what is left); FIT_ARGS (default "--dtypes float16 --bs 256") go to bench_gpu_fit.py (e.g. "--models
+# efficientnet_b0": the groups no run has measured yet first; FIT_ARGS="" every group). fastai travels as wheels in
+# .whl/, the kernels in .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai
+# is missing. Each step is logged in OUT/ whatever the one before did; the exit status is the number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

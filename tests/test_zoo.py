@@ -1,5 +1,5 @@
 "Surgery over a zoo of timm / torchvision BN CNNs: coverage, and a fused channels-last training step as close to fp64 as the stock contiguous one"
-import copy, functools, os, pickle, subprocess, sys
+import contextlib, copy, functools, os, pickle, subprocess, sys
 from collections import Counter
 import pytest, torch
 from torch import nn
@@ -8,6 +8,7 @@ from clfast import timing
 from clfast.fuse import fuse_conv_bn, unfuse_conv_bn, fusion_report, is_fused
 from clfast.guard import guard_model, unguard_model
 from clfast.amp import cpu_native_dtypes
+from clfast.recompute import recomputed_outputs
 import clfast.fused as fused_mod
 
 # the heaviest models (measured on 2 busy cores) step only with -m slow; their coverage is always checked
@@ -45,11 +46,13 @@ BATCH = 3
 # 'timed' can choose per layer 1.15-5.13: CI's run drew 5.06, over 3x stock's), at batch 6 0.70-0.83 (stock 0.77)
 BATCHES = {'rexnet_100': 6}
 
-def step(m, x, amp=None):
-    "One training step's forward and backward, under CPU autocast in `amp`: output, gradients and BN buffers, in fp64"
+def step(m, x, amp=None, recipes=False):
+    """One training step's forward and backward, under CPU autocast in `amp`: output, gradients and BN buffers, in fp64;
+    `recipes`: the forward inside `recomputed_outputs()`, as fastai's `ChannelsLast` runs a 'memory' model's"""
     torch.manual_seed(0)   # the same dropout masks in every model
     m.zero_grad()
-    with torch.autocast('cpu', dtype=amp, enabled=amp is not None): out = m(x)
+    with torch.autocast('cpu', dtype=amp, enabled=amp is not None), \
+         recomputed_outputs() if recipes else contextlib.nullcontext(): out = m(x)
     out.double().square().mean().backward()
     bufs = {k: v.double() for k, v in m.state_dict().items() if 'running' in k}
     m.eval()   # then inference with the updated running statistics
@@ -96,33 +99,46 @@ def _forget_reference():
     yield
     reference.cache_clear()   # the last model's fp64 step and gradients: not held past this module
 
+@contextlib.contextmanager
+def recipe_way(how:str):
+    "'memory' layers remember their outputs as `how` says inside the block (`clfast.fused.set_recipe_way`)"
+    before = fused_mod.set_recipe_way(how)
+    try: yield
+    finally: fused_mod.set_recipe_way(before)
+
 def check(name, mode):
     """One training step of the model fused in `mode` and prepared as `to_channelslast()` prepares it: in fp64 equal to
     the stock fp64 step (the fused and guarded arithmetic) in each way a layer can run; in fp32 and in native bf16
     autocast, in the default per-layer way, each error against fp64 within `MARGIN` times the contiguous stock step's
-    in that precision (gradients floored at `FLIP_FLOOR`). Then its pickling as stock and unfusing"""
+    in that precision (gradients floored at `FLIP_FLOOR`). Then its pickling as stock and unfusing. 'memory' trains as a
+    fit does, inside `recomputed_outputs()`, its layers' outputs recomputed from recipes wherever one is taken: forced
+    ('recipe'), not 'timed' per layer shape (each model's shapes timed afresh would cost minutes), since the old way
+    (the conv recomputed) is what this step's other layers run, with a residual or with recipes nothing took"""
     base, x, ref, stock_errors = reference(name)
-    cl = lambda t: t.contiguous(memory_format=torch.channels_last)
-    # fp64: the fused and guarded arithmetic equals stock's in each way 'timed' can choose for a layer ('memory' layers
-    # run fused); set, not timed: timing the layers in fp64, which no one trains in, took most of this test's time
-    for way in ('fused', 'stock') if mode == 'speed' else ('fused',):
-        before = fused_mod.set_layer_way(way)
-        try: exact = errors(step(as_trained(base, mode, torch.float64), cl(x.double())), ref)
-        finally: fused_mod.set_layer_way(before)
-        assert exact['out'] < 1e-9 and exact['stats'] < 1e-9 and exact['grad'] < 1e-7, (name, mode, way, exact)
-    for amp in DTYPES:
-        stock = stock_errors[amp]
-        m = as_trained(base, mode)
-        fused = errors(step(m, cl(x), amp), ref)
-        eps = torch.finfo(amp or torch.float32).eps
-        bound = {k: max(MARGIN * v, FLIP_FLOOR if k == 'grad' else 0.) + eps for k, v in stock.items()}
-        bad = {k: (fused[k], stock[k]) for k in fused if fused[k] > bound[k]}
-        assert not bad, (name, mode, amp, bad)
-    types = [type(c) for c in base.modules()]
-    loaded = pickle.loads(pickle.dumps(m))   # loads as stock classes
-    assert [type(c) for c in loaded.modules()] == types and not is_fused(loaded)
-    unfuse_conv_bn(unguard_model(m))
-    assert [type(c) for c in m.modules()] == types and not is_fused(m)
+    recipes = mode == 'memory'
+    with recipe_way('recipe'):
+        cl = lambda t: t.contiguous(memory_format=torch.channels_last)
+        # fp64: the fused and guarded arithmetic equals stock's in each way 'timed' can choose for a layer ('memory'
+        # layers run fused); set, not timed: timing the layers in fp64, which no one trains in, took most of this test's
+        # time
+        for way in ('fused', 'stock') if mode == 'speed' else ('fused',):
+            before = fused_mod.set_layer_way(way)
+            try: exact = errors(step(as_trained(base, mode, torch.float64), cl(x.double()), recipes=recipes), ref)
+            finally: fused_mod.set_layer_way(before)
+            assert exact['out'] < 1e-9 and exact['stats'] < 1e-9 and exact['grad'] < 1e-7, (name, mode, way, exact)
+        for amp in DTYPES:
+            stock = stock_errors[amp]
+            m = as_trained(base, mode)
+            fused = errors(step(m, cl(x), amp, recipes), ref)
+            eps = torch.finfo(amp or torch.float32).eps
+            bound = {k: max(MARGIN * v, FLIP_FLOOR if k == 'grad' else 0.) + eps for k, v in stock.items()}
+            bad = {k: (fused[k], stock[k]) for k in fused if fused[k] > bound[k]}
+            assert not bad, (name, mode, amp, bad)
+        types = [type(c) for c in base.modules()]
+        loaded = pickle.loads(pickle.dumps(m))   # loads as stock classes
+        assert [type(c) for c in loaded.modules()] == types and not is_fused(loaded)
+        unfuse_conv_bn(unguard_model(m))
+        assert [type(c) for c in m.modules()] == types and not is_fused(m)
 
 @pytest.fixture(scope='module')
 def zoo_cache(tmp_path_factory):

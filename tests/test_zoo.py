@@ -112,33 +112,32 @@ def check(name, mode):
     autocast, in the default per-layer way, each error against fp64 within `MARGIN` times the contiguous stock step's
     in that precision (gradients floored at `FLIP_FLOOR`). Then its pickling as stock and unfusing. 'memory' trains as a
     fit does, inside `recomputed_outputs()`, its layers' outputs recomputed from recipes wherever one is taken: forced
-    ('recipe'), not 'timed' per layer shape (each model's shapes timed afresh would cost minutes), since the old way
-    (the conv recomputed) is what this step's other layers run, with a residual or with recipes nothing took"""
+    ('recipe', by `test_zoo_step`), not 'timed' per layer shape (each model's shapes timed afresh would cost minutes),
+    since the old way (the conv recomputed) is what this step's other layers run, with a residual or with recipes
+    nothing took"""
     base, x, ref, stock_errors = reference(name)
     recipes = mode == 'memory'
-    with recipe_way('recipe'):
-        cl = lambda t: t.contiguous(memory_format=torch.channels_last)
-        # fp64: the fused and guarded arithmetic equals stock's in each way 'timed' can choose for a layer ('memory'
-        # layers run fused); set, not timed: timing the layers in fp64, which no one trains in, took most of this test's
-        # time
-        for way in ('fused', 'stock') if mode == 'speed' else ('fused',):
-            before = fused_mod.set_layer_way(way)
-            try: exact = errors(step(as_trained(base, mode, torch.float64), cl(x.double()), recipes=recipes), ref)
-            finally: fused_mod.set_layer_way(before)
-            assert exact['out'] < 1e-9 and exact['stats'] < 1e-9 and exact['grad'] < 1e-7, (name, mode, way, exact)
-        for amp in DTYPES:
-            stock = stock_errors[amp]
-            m = as_trained(base, mode)
-            fused = errors(step(m, cl(x), amp, recipes), ref)
-            eps = torch.finfo(amp or torch.float32).eps
-            bound = {k: max(MARGIN * v, FLIP_FLOOR if k == 'grad' else 0.) + eps for k, v in stock.items()}
-            bad = {k: (fused[k], stock[k]) for k in fused if fused[k] > bound[k]}
-            assert not bad, (name, mode, amp, bad)
-        types = [type(c) for c in base.modules()]
-        loaded = pickle.loads(pickle.dumps(m))   # loads as stock classes
-        assert [type(c) for c in loaded.modules()] == types and not is_fused(loaded)
-        unfuse_conv_bn(unguard_model(m))
-        assert [type(c) for c in m.modules()] == types and not is_fused(m)
+    cl = lambda t: t.contiguous(memory_format=torch.channels_last)
+    # fp64: the fused and guarded arithmetic equals stock's in each way 'timed' can choose for a layer ('memory' layers
+    # run fused); set, not timed: timing the layers in fp64, which no one trains in, took most of this test's time
+    for way in ('fused', 'stock') if mode == 'speed' else ('fused',):
+        before = fused_mod.set_layer_way(way)
+        try: exact = errors(step(as_trained(base, mode, torch.float64), cl(x.double()), recipes=recipes), ref)
+        finally: fused_mod.set_layer_way(before)
+        assert exact['out'] < 1e-9 and exact['stats'] < 1e-9 and exact['grad'] < 1e-7, (name, mode, way, exact)
+    for amp in DTYPES:
+        stock = stock_errors[amp]
+        m = as_trained(base, mode)
+        fused = errors(step(m, cl(x), amp, recipes), ref)
+        eps = torch.finfo(amp or torch.float32).eps
+        bound = {k: max(MARGIN * v, FLIP_FLOOR if k == 'grad' else 0.) + eps for k, v in stock.items()}
+        bad = {k: (fused[k], stock[k]) for k in fused if fused[k] > bound[k]}
+        assert not bad, (name, mode, amp, bad)
+    types = [type(c) for c in base.modules()]
+    loaded = pickle.loads(pickle.dumps(m))   # loads as stock classes
+    assert [type(c) for c in loaded.modules()] == types and not is_fused(loaded)
+    unfuse_conv_bn(unguard_model(m))
+    assert [type(c) for c in m.modules()] == types and not is_fused(m)
 
 @pytest.fixture(scope='module')
 def zoo_cache(tmp_path_factory):
@@ -159,7 +158,8 @@ def default_way(zoo_cache, monkeypatch):
 # each model's two modes one after the other, so that they share its `reference`
 @pytest.mark.parametrize('name,mode', [pytest.param(n, mode, id=f"{n}-{mode}", marks=[pytest.mark.slow] if n in SLOW else [])
                                        for n in ZOO for mode in ('speed', 'memory')])
-def test_zoo_step(name, mode, default_way): check(name, mode)
+def test_zoo_step(name, mode, default_way):
+    with recipe_way('recipe'): check(name, mode)
 
 def test_zoo_coverage():
     "Fraction of all BN layers fused across the zoo (surgery only); per-model coverage is printed (pytest -s)"

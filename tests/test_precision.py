@@ -99,6 +99,7 @@ def test_lstm_runs_fp32_where_cpu_autocast_cannot_run_it(cpu_kind):
     assert learn.mixed_precision.dtype == torch.bfloat16 and learn.mixed_precision.fp32_ops == ['lstm']
     assert math.isfinite(learn.recorder.values[-1][0])
 
+@pytest.mark.isa_neutral   # callbacks' control flow after an exception: the same at every instruction-set level
 @pytest.mark.parametrize('exc', [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize('where', ['fit', 'validate', 'get_preds', 'predict', 'tta'])
 def test_autocast_never_leaks(cpu_kind, exc, where):
@@ -160,6 +161,7 @@ def test_load_learner_then_to_fp32(tmp_path):
     loaded = load_learner(tmp_path/'e2.pkl')
     assert len(_amps(loaded)) <= 1 and _amps(loaded.to_fp16().to_fp32()) == []
 
+@pytest.mark.isa_neutral   # arguments and messages
 def test_signatures_accept_what_fastai_accepts():
     seen = []
     learn = tiny_learner(cbs=ChannelsLast(after_fit=lambda cb: seen.append('after_fit')))
@@ -176,6 +178,7 @@ def test_scaler_kwargs_checked_at_call_nothing_changed():
     with pytest.raises(TypeError, match="growth_factor"): learn.to_fp16(growth_factr=2.)
     assert list(learn.cbs) == before
 
+@pytest.mark.isa_neutral   # a message, said once
 def test_fuse_that_fuses_nothing_says_so():
     learn = Learner(image_dls(), nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                                                 nn.Linear(4, 2)), loss_func=CrossEntropyLossFlat())

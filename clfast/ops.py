@@ -39,7 +39,7 @@ _lib.define("conv_bn_act(Tensor x, Tensor? weight, Tensor? bias, Tensor? bn_weig
 _lib.define("synced_stats(Tensor y, str group) -> (Tensor mean, Tensor var, Tensor count)")
 _lib.define("synced_grad_means(Tensor sum_dz, Tensor sum_dzx, Tensor y, str group) -> Tensor")
 
-# %% ../nbs/21_ops.ipynb #0c2a6b90
+# %% ../nbs/21_ops.ipynb #8caebc85
 _GEOMETRY_AT = dict(layer_fwd=8, layer_bwd=8, layer_out=None, batch_stats=None, update_running=None)   # where the schema's stride, padding, dilation, groups start
 
 def kernel_layout(t:Tensor) -> torch.memory_format:
@@ -58,11 +58,24 @@ def _as_inputs(grads:tuple, x:Tensor, weight:Optional[Tensor]) -> tuple:
 # kernel of the Meta key and refuse a second one unless told
 _OVERRIDE = {'allow_override': True} if 'allow_override' in inspect.signature(torch.library.Library.impl).parameters else {}
 
+_ATEN_NAMES = {torch.float32: 'Float', torch.float64: 'Double'}   # the C++ kernels' messages name dtypes so
+
+def _check_layer_out(y:Tensor, params:Tensor):
+    """`clfast::layer_out`'s rule, as the C++ kernel checks it (`csrc/conv_bn_act.cpp`): `params` is the layer forward's
+    contiguous [5, C] tensor in `y`'s accumulation dtype. For every other kernel set: the Triton kernel would read
+    another tensor's memory as its scale and shift, the reference broadcast it (`clfast.recompute`'s recipes, whose
+    params are the forward's, call the kernels directly)"""
+    c, acc = y.shape[1], acc_dtype(y.dtype)
+    if not (params.dim() == 2 and tuple(params.shape) == (len(PARAM_ROWS), c) and params.is_contiguous() and params.dtype == acc):
+        raise ValueError(f"clfast::layer_out ({y.device.type.upper()}): params must be the layer forward's contiguous "
+                         f"[{len(PARAM_ROWS)}, {c}] {_ATEN_NAMES[acc]} tensor, got {list(params.shape)} {params.dtype}")
+
 def _kernel(name:str, source:Callable, fake:bool=False) -> Callable:
     "The kernel op `name` of the kernel set `source()` returns (called at each call: it may import lazily), taking the op's arguments"
     at = _GEOMETRY_AT[name]
     def kernel(*args, **kw):
         fn = getattr(source(), name)
+        if name == 'layer_out': _check_layer_out(args[0], args[1])
         if at is None: return fn(*args, **kw)
         out = fn(*args[:at], ConvGeometry(*args[at:at + 4]), *args[at + 4:], **kw)
         return _as_inputs(out, args[1], args[2]) if name == 'layer_bwd' and not fake else out

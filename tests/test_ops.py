@@ -196,15 +196,25 @@ def test_layer_out_is_the_forwards_output(kernels, dt):
                 assert torch.equal(again, out) and again.stride() == out.stride(), (name, mean is None)
         torch.library.opcheck(torch.ops.clfast.layer_out.default, (y, params, a.code, p))
 
-def test_layer_out_refuses_other_params():
-    "The C++ kernel reads params' scale and shift rows as the forward wrote them: any other tensor is refused"
-    if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
+@pytest.mark.parametrize('kernels', ['kernel', 'ref', 'triton', 'fake'])
+def test_layer_out_refuses_other_params(kernels):
+    """Every kernel set reads params' scale and shift rows as the forward wrote them (the C++ and Triton kernels from
+    raw memory): any other tensor is refused, with the C++ kernel's message (the Triton set's check runs before its
+    kernel, which needs no GPU to be refused; the fake's on shapes alone)"""
+    if kernels == 'kernel' and cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
     ops.kernels_ready()
     x, w, b, bw, bb, _, mean, var, *geom, eps, act, p, _ = _op_args(res=False)
     _, y, params = torch.ops.clfast.layer_fwd(x, w, b, bw, bb, None, mean, var, *geom, eps, act, p, True)
-    for bad in (params[:4], params.double(), params.t().contiguous().t()):
-        with pytest.raises(ValueError, match=r"params must be the layer forward's contiguous \[5, 4\] Float tensor"):
-            torch.ops.clfast.layer_out(y, bad, act, p)
+    if kernels == 'fake': y, params = y.to('meta'), params.to('meta')
+    served = ops.kernels_from(kernels) if kernels in ('ref', 'triton') else contextlib.nullcontext()
+    where = 'META' if kernels == 'fake' else 'CPU'
+    with served:
+        for bad in (params[:4], params.double(), params.t().contiguous().t()):
+            with pytest.raises(ValueError, match=rf"layer_out \({where}\): params must be the layer forward's contiguous "
+                                                 r"\[5, 4\] Float tensor"):
+                torch.ops.clfast.layer_out(y, bad, act, p)
+        if kernels != 'triton':   # (its kernel runs on a GPU, or under the interpreter: tests/_triton_interp_layer.py)
+            assert torch.ops.clfast.layer_out(y, params, act, p).shape == y.shape   # the forward's own: taken
 
 @pytest.mark.parametrize('kernels', ['kernel', 'ref'])
 def test_opcheck_half_precision_backward(kernels):

@@ -18,7 +18,7 @@
 #   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests fit probe host tiles kernels
 #                                                       # (default: all, in that order)
 #
-# BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests; FIT_S (180) the fit where steps follow it (else
+# BUDGET (seconds, 540) bounds the whole run; TESTS_S (150) the tests; FIT_S (200) the fit where steps follow it (else
 # what is left); FIT_ARGS (default "--dtypes float16 --bs 256") go to bench_gpu_fit.py (e.g. "--models
 # efficientnet_b0": the groups no run has measured yet first; FIT_ARGS="" every group). fastai travels as wheels in
 # .whl/, the kernels in .whl/kernels/ (tools/gpu_wheels.sh); the wheels are installed here into /tmp/site when fastai
@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT=${1:-gpu_first_run}; shift || true
 STEPS=${*:-build warm tests fit probe host tiles kernels}
-BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}; FIT_S=${FIT_S:-180}; FIT_ARGS=${FIT_ARGS---dtypes float16 --bs 256}
+BUDGET=${BUDGET:-540}; TESTS_S=${TESTS_S:-150}; FIT_S=${FIT_S:-200}; FIT_ARGS=${FIT_ARGS---dtypes float16 --bs 256}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ! "$PY" -c 'import fastai' 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then

@@ -39,7 +39,7 @@ _lib.define("conv_bn_act(Tensor x, Tensor? weight, Tensor? bias, Tensor? bn_weig
 _lib.define("synced_stats(Tensor y, str group) -> (Tensor mean, Tensor var, Tensor count)")
 _lib.define("synced_grad_means(Tensor sum_dz, Tensor sum_dzx, Tensor y, str group) -> Tensor")
 
-# %% ../nbs/21_ops.ipynb #8caebc85
+# %% ../nbs/21_ops.ipynb #efef5878
 _GEOMETRY_AT = dict(layer_fwd=8, layer_bwd=8, layer_out=None, batch_stats=None, update_running=None)   # where the schema's stride, padding, dilation, groups start
 
 def kernel_layout(t:Tensor) -> torch.memory_format:
@@ -73,9 +73,13 @@ def _check_layer_out(y:Tensor, params:Tensor):
 def _kernel(name:str, source:Callable, fake:bool=False) -> Callable:
     "The kernel op `name` of the kernel set `source()` returns (called at each call: it may import lazily), taking the op's arguments"
     at = _GEOMETRY_AT[name]
+    if name == 'layer_out':
+        def kernel(y, params, *args):
+            _check_layer_out(y, params)
+            return source().layer_out(y, params, *args)
+        return kernel
     def kernel(*args, **kw):
         fn = getattr(source(), name)
-        if name == 'layer_out': _check_layer_out(args[0], args[1])
         if at is None: return fn(*args, **kw)
         out = fn(*args[:at], ConvGeometry(*args[at:at + 4]), *args[at + 4:], **kw)
         return _as_inputs(out, args[1], args[2]) if name == 'layer_bwd' and not fake else out

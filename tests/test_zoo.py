@@ -99,22 +99,15 @@ def _forget_reference():
     yield
     reference.cache_clear()   # the last model's fp64 step and gradients: not held past this module
 
-@contextlib.contextmanager
-def recipe_way(how:str):
-    "'memory' layers remember their outputs as `how` says inside the block (`clfast.fused.set_recipe_way`)"
-    before = fused_mod.set_recipe_way(how)
-    try: yield
-    finally: fused_mod.set_recipe_way(before)
-
 def check(name, mode):
     """One training step of the model fused in `mode` and prepared as `to_channelslast()` prepares it: in fp64 equal to
     the stock fp64 step (the fused and guarded arithmetic) in each way a layer can run; in fp32 and in native bf16
     autocast, in the default per-layer way, each error against fp64 within `MARGIN` times the contiguous stock step's
     in that precision (gradients floored at `FLIP_FLOOR`). Then its pickling as stock and unfusing. 'memory' trains as a
     fit does, inside `recomputed_outputs()`, its layers' outputs recomputed from recipes wherever one is taken: forced
-    ('recipe', by `test_zoo_step`), not 'timed' per layer shape (each model's shapes timed afresh would cost minutes),
-    since the old way (the conv recomputed) is what this step's other layers run, with a residual or with recipes
-    nothing took"""
+    ('recipe', `test_zoo_step`'s fixture), not 'timed' per layer shape (each model's shapes timed afresh would cost
+    minutes), since the old way (the conv recomputed) is what this step's other layers run, with a residual or with
+    recipes nothing took"""
     base, x, ref, stock_errors = reference(name)
     recipes = mode == 'memory'
     cl = lambda t: t.contiguous(memory_format=torch.channels_last)
@@ -158,8 +151,8 @@ def default_way(zoo_cache, monkeypatch):
 # each model's two modes one after the other, so that they share its `reference`
 @pytest.mark.parametrize('name,mode', [pytest.param(n, mode, id=f"{n}-{mode}", marks=[pytest.mark.slow] if n in SLOW else [])
                                        for n in ZOO for mode in ('speed', 'memory')])
-def test_zoo_step(name, mode, default_way):
-    with recipe_way('recipe'): check(name, mode)
+@pytest.mark.usefixtures('recipe_way')
+def test_zoo_step(name, mode, default_way): check(name, mode)
 
 def test_zoo_coverage():
     "Fraction of all BN layers fused across the zoo (surgery only); per-model coverage is printed (pytest -s)"

@@ -26,10 +26,17 @@ __all__ = ['SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'SLOW_BF16_BACKWARD', 
            'half_conv_wrong', 'may_meet_narrow_map', 'narrow_map_plan', 'conv_in_fp32', 'guarded_conv', 'GuardedConv2d',
            'call_plan', 'per_call_route', 'one_sample_instance_norm_wrong', 'GuardedInstanceNorm2d']
 
-# %% ../nbs/04c_routes.ipynb #2d0d4568
+# %% ../nbs/04c_routes.ipynb #5db11f11
+def _constant_under_compile(fn:Callable) -> Callable:
+    """`torch.compiler.assume_constant_result(fn)` without its import of `torch._dynamo` (1.1 s of every import of
+    clfast's modules outside fastai, whose import has dynamo's already): the mark dynamo reads, which both torch's
+    decorators set (tests/test_guard.py checks that they set nothing else)"""
+    fn._dynamo_marked_constant = True
+    return fn
+
 # a fact about the machine: under torch.compile dynamo runs it as it is and keeps the answer as a constant, rather than
 # tracing into the cache's file reads (which it warned about, four times, in every compiled guarded conv)
-@torch.compiler.assume_constant_result
+@_constant_under_compile
 def premise(name:str, probe:Callable[[], Timing|bool]) -> bool:
     "Whether the premise `name` holds on this machine, measured once per machine (`clfast.timing.decide_premise`): where `probe()` times a route against the stock kernel, the route is faster by the margin; where it checks numerics, its bool"
     held = decide_premise(f"premise:{name}", probe)

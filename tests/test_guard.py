@@ -395,6 +395,17 @@ def test_narrow_map_calls_equal_fp64(case, autocast, monkeypatch):
 # (about tracing: the route's numerics at each instruction-set level are the eager tests' above, and this one's first
 # compile takes 16 s, at each level of the matrix too)
 @pytest.mark.isa_neutral
+@pytest.mark.isa_neutral   # an import and a function's attributes
+def test_a_premise_is_marked_constant_without_importing_dynamo():
+    """`premise` carries what `torch.compiler.assume_constant_result` sets on a function, and nothing else, without the
+    decorator's import of torch._dynamo: clfast's modules import none (1.1 s of each import, in each child process)"""
+    marked, ours = torch.compiler.assume_constant_result(lambda: 0), routes._constant_under_compile(lambda: 0)
+    assert vars(ours) == vars(marked) and vars(marked)
+    assert all(getattr(routes.premise, k) == v for k, v in vars(marked).items())
+    r = subprocess.run([sys.executable, '-c', "import sys, clfast.all, clfast.fused, clfast.guard, clfast.host_cost; "
+                        "print('dynamo imported', 'torch._dynamo' in sys.modules)"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'dynamo imported False' in r.stdout, r.stdout + r.stderr[-2000:]
+
 @pytest.mark.parametrize('case', ['weight_grad', 'grouped_forward'])
 def test_a_compiled_narrow_map_conv_is_routed_silently(case, tmp_path, monkeypatch):
     """Under torch.compile, in a process that finds this machine's premises in its cache, a guarded conv's route is

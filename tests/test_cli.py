@@ -41,19 +41,27 @@ def test_demo_any_arch(capsys):
         assert out.index('[2/2] to_channelslast') < out.index('setup ') and f'arch={arch}, 1 epoch, bs=8' in out
         assert '(20 real scans' in out
 
-@pytest.mark.parametrize('args,msg', [
+_TORCH_CHECKED = [
     (['--items', '60'], "60 digits leave 48 to train on and 12 to validate: at least one training batch of 64 (fastai drops a partial one) and one digit to validate are needed; use at least 79 items, or a smaller batch size"),
     (['--items', '1', '--bs', '1'], "1 digit leaves 1 to train on and 0 to validate"),
     (['--device', 'foo'], "device 'foo' is not one torch knows"),
-    (['--device', 'cuda'], "device 'cuda': no CUDA GPU here; use cpu")])
-def test_demo_options_torch_must_check_fail_before_training(args, msg):
-    "What only torch can check (a device here; enough digits for one batch) ends the demo at once with exit 2 and one line (a traceback after both runs trained, or a ZeroDivisionError)"
+    (['--device', 'cuda'], "device 'cuda': no CUDA GPU here; use cpu")]
+
+def test_demo_options_torch_must_check_fail_before_training():
+    """What only torch can check (a device here; enough digits for one batch) ends the demo at once with exit 2 and one
+    line (a traceback after both runs trained, or a ZeroDivisionError). The cases in turn in one interpreter, each
+    ending before the next starts (a fresh one each cost 5.5 s, most of it the imports)"""
     import torch
-    if 'cuda' in args and torch.cuda.is_available(): pytest.skip("a CUDA GPU is here")
-    r = subprocess.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))',
-                        'demo', '--amp', 'none', '--epochs', '1', *args], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and f'clfast demo: error: {msg}' in r.stderr and 'Traceback' not in r.stderr, r.stdout + r.stderr
-    assert '[1/2]' not in r.stdout
+    cases = [(a, m) for a, m in _TORCH_CHECKED if not ('cuda' in a and torch.cuda.is_available())]   # no GPU case on one
+    code = ("import sys, json; from clfast.cli import main\nfor argv in json.loads(sys.argv[1]):\n"
+            "    try: code = main(argv)\n    except SystemExit as e: code = e.code\n"
+            "    print('exit', code, flush=True); print('end of run', file=sys.stderr, flush=True)")
+    runs = [['demo', '--amp', 'none', '--epochs', '1', *args] for args, _ in cases]
+    r = subprocess.run([sys.executable, '-c', code, json.dumps(runs)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and 'Traceback' not in r.stderr and '[1/2]' not in r.stdout, r.stdout + r.stderr
+    assert r.stdout.split() == ['exit', '2'] * len(cases), r.stdout + r.stderr
+    for (args, msg), err in zip(cases, r.stderr.split('end of run')):   # each run's own line
+        assert f'clfast demo: error: {msg}' in err, (args, r.stderr)
 
 def test_check_timeout_above_zero():
     r = _run('check', '--timeout', '0')

@@ -392,9 +392,6 @@ def test_narrow_map_calls_equal_fp64(case, autocast, monkeypatch):
             r = audit(net, x.detach())
             assert r.ok and [(n, how) for n, how, _ in r.guarded] == [('0', 'fp32')], r
 
-# (about tracing: the route's numerics at each instruction-set level are the eager tests' above, and this one's first
-# compile takes 16 s, at each level of the matrix too)
-@pytest.mark.isa_neutral
 @pytest.mark.isa_neutral   # an import and a function's attributes
 def test_a_premise_is_marked_constant_without_importing_dynamo():
     """`premise` carries what `torch.compiler.assume_constant_result` sets on a function, and nothing else, without the
@@ -406,6 +403,9 @@ def test_a_premise_is_marked_constant_without_importing_dynamo():
                         "print('dynamo imported', 'torch._dynamo' in sys.modules)"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'dynamo imported False' in r.stdout, r.stdout + r.stderr[-2000:]
 
+# (about tracing: the route's numerics at each instruction-set level are the eager tests' above, and this one's first
+# compile takes 16 s, at each level of the matrix too)
+@pytest.mark.isa_neutral
 @pytest.mark.parametrize('case', ['weight_grad', 'grouped_forward'])
 def test_a_compiled_narrow_map_conv_is_routed_silently(case, tmp_path, monkeypatch):
     """Under torch.compile, in a process that finds this machine's premises in its cache, a guarded conv's route is

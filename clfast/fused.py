@@ -207,7 +207,7 @@ def _time_steps(x:Tensor, default:Callable, candidate:Callable) -> Timing:
     if x.is_cuda and _for_graphs: return time_pair(default, candidate, clock=DeviceClock(x.device))
     return time_pair(default, candidate, (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else None)
 
-# %% ../nbs/23_fused.ipynb #ab36c9ca
+# %% ../nbs/23_fused.ipynb #b28f7f25
 RECIPE_WAYS = ('recipe', 'conv', 'timed')
 _recipe_way = 'timed'
 _recipe_ways: dict[tuple, bool] = {}   # this process's choices by `_layer_key`: whether a 'memory' layer remembers
@@ -254,7 +254,8 @@ def _timed_recipe(x:Tensor, conv:nn.Conv2d, bn:nn.Module, a, act_param:float, ge
                 out = out * factor.to(out.dtype)   # saves the layer's output: the recipe where it remembers
             out.backward(torch.ones_like(out))
         return f
-    return _time_steps(x, run(False), run(True))
+    with plain_saves():   # the copies' saved tensors are not the step's (a count of the step's memory: the finder's)
+        return _time_steps(x, run(False), run(True))
 
 # %% ../nbs/23_fused.ipynb #2d94ac7e
 class _FusedMixin(AsStock):

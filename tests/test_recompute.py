@@ -3,6 +3,7 @@ recipes and recomputed element-wise in backward: the same gradients bit for bit 
 at its memory, with fewer convs in backward; the old way outside the block and under a checkpoint"""
 import copy, random
 import pytest, timm, torch
+from clfast import fused, recompute, timing
 from torch import nn
 from torch.profiler import profile, ProfilerActivity
 from torch.utils.checkpoint import checkpoint
@@ -136,6 +137,76 @@ def test_old_way_outside_the_block_and_under_a_checkpoint():
         out.sum().backward()
         grads.append(layer.weight.grad.clone())
     assert torch.equal(*grads)
+
+@pytest.mark.usefixtures('recipe_way')
+@pytest.mark.parametrize('hooks', ['checkpoint', 'save_on_cpu'])
+def test_the_block_inside_other_hooks_saves_through_them(hooks):
+    """Inside hooks that do more than observe, the block does nothing and 'memory' layers save as those hooks say: a
+    non-reentrant checkpoint whose function enters the block (its recomputation must save what its forward saved, and
+    a recipe's `y` would outlive the checkpoint's forward), `save_on_cpu` (a recipe's `y` would stay on the GPU):
+    nothing remembered, the old way's gradients and statistics bit for bit"""
+    torch.manual_seed(0)
+    a, b = (FusedConvBN2d(c, 8, 3, padding=1, mode='memory').to(memory_format=torch.channels_last) for c in (4, 8))
+    x = torch.randn(2, 4, 12, 12).to(memory_format=torch.channels_last)
+    def block(t, layers, recipes):
+        with recomputed_outputs() if recipes else torch.enable_grad():
+            assert not recomputing()
+            h = layers[1](layers[0](t))
+            return h * h   # saves b's output, as b saves a's
+    def step(recipes):
+        layers = copy.deepcopy((a, b))
+        t = x.clone().requires_grad_()
+        if hooks == 'checkpoint': out = checkpoint(block, t, layers, recipes, use_reentrant=False)
+        else:
+            with torch.autograd.graph.save_on_cpu(): out = block(t, layers, recipes)
+        out.sum().backward()
+        assert all(m not in recompute._layers for m in layers), "a layer remembered"
+        return [t.grad, *(p.grad for m in layers for p in m.parameters()), *(s for m in layers for s in m.buffers())]
+    old, new = step(False), step(True)
+    assert all(torch.equal(u, v) for u, v in zip(old, new))
+
+@pytest.mark.usefixtures('recipe_way')
+def test_a_layer_whose_output_is_saved_through_a_view_stops_remembering():
+    """A global-context block's matrix product saves a view of a layer's output, which keeps the output's storage: the
+    `y` its recipes keep would be memory the old way does not spend. From the second step it recomputes its conv again,
+    at the old way's memory, its gradients bit for bit"""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.attn = FusedConvBN2d(8, 16, 3, padding=1, mode='memory'), nn.Conv2d(16, 1, 1)
+        def forward(self, x):
+            h = self.a(x); n, c, hh, ww = h.shape
+            w = self.attn(h).reshape(n, 1, hh * ww).softmax(-1).unsqueeze(3)   # the 1x1 conv saves h: a recipe
+            ctx = h.reshape(n, c, hh * ww).unsqueeze(1) @ w                     # the product saves a view of h
+            return h * ctx.view(n, c, 1, 1).sigmoid()
+    model = Block().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 12, 12).to(memory_format=torch.channels_last)
+    old = train_steps(copy.deepcopy(model), x, recipes=False)
+    new_model = copy.deepcopy(model)
+    new = train_steps(new_model, x, recipes=True)
+    assert not recompute.remembers(new_model.a)
+    assert new['saved'] <= old['saved'], (new['saved'], old['saved'])
+    for what in ('grads', 'buffers'):
+        assert all(torch.equal(u, v) for u, v in zip(old[what], new[what])), what
+
+def test_timing_a_recipe_saves_nothing_of_the_step(tmp_path, monkeypatch):
+    """'timed' (the default) times a layer's recipe against its old way on copies, in the first step that meets its
+    shape: what the copies save is not the step's (a count of the step's memory, as the format finder's, reads the
+    same then as in the next step)"""
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    monkeypatch.setattr(timing, '_here', {}); monkeypatch.setattr(fused, '_recipe_ways', {})
+    layer = FusedConvBN2d(8, 8, 3, padding=1, mode='memory').to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 12, 12).to(memory_format=torch.channels_last)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    saved = []
+    for _ in range(2):
+        store = {}
+        with saved_bytes(params, store), recomputed_outputs():
+            h = layer(x)
+            out = h * h
+        out.sum().backward()
+        saved.append(sum(store.values()))
+    assert len(timing.timings('recipe:')) == 1 and saved[0] == saved[1], saved
 
 @pytest.mark.usefixtures('recipe_way')
 def test_in_place_changes():

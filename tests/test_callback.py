@@ -242,6 +242,14 @@ def test_callback_fuse_argument_and_bad_fuse():
     learn.to_channelslast(fuse=False)
     assert not is_fused(learn.model)
 
+def test_a_model_fused_otherwise_assigned_later_trains_in_the_asked_mode():
+    "A model fused in 'speed', assigned to a learner made with fuse='memory', is switched to 'memory' at the next fit"
+    other = tiny_learner().to_channelslast(use_amp=False, fuse='speed')
+    learn = tiny_learner().to_channelslast(use_amp=False, fuse='memory')
+    learn.model = other.model
+    _fit(learn)
+    assert learn.model[0][0].mode == 'memory'
+
 import inspect, json, subprocess, sys
 
 NAMES = ['to_fp16', 'to_bf16', 'to_fp32', 'to_channelslast', 'to_contiguous', 'export', 'MixedPrecision', 'ChannelsLast']

@@ -247,7 +247,11 @@ class _Tracer(fx.Tracer):
         # run at all; hooks there are `runs_unfused`'s
         return super().call_module(m, m.forward, args, kwargs)
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #06d76994
+# %% ../../nbs/24d_fuse_surgery.ipynb #84cb0732
+def _fused_chains(model:nn.Module) -> list:
+    "The fused chains `fuse_conv_bn` made in `model`: `FusedConvBN2d`s and timm's MixedConv2d's, whose `mode` it sets"
+    return [m for m in model.modules() if isinstance(m, _FusedChain) and m.__dict__.get('surgical')]
+
 def is_fused(model:nn.Module) -> bool:
     "True if `fuse_conv_bn` fused anything in `model` (a standalone `FusedConvBN2d` does not count: it is not undone)"
     need_module(model, 'is_fused')
@@ -259,8 +263,7 @@ def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Mo
     check_mode(mode)
     _install_sync_converter()   # from now on PyTorch's (and timm's) converter must know fused layers
     _watch_registrations()   # and a module put in place of a fused chain's must compute as in the stock model
-    for m in model.modules():   # every fused chain: timm's MixedConv2d's too, which is no FusedConvBN2d
-        if isinstance(m, _FusedChain) and m.__dict__.get('surgical'): m.__dict__['mode'] = mode
+    for m in _fused_chains(model): m.__dict__['mode'] = mode
     fuser = _Fuser(model, mode)
     fuser.visit(model)
     fuser.watch_acts()

@@ -56,7 +56,7 @@ def remembers(layer, grad:bool=True) -> bool:
     counts = None if states is None else states.get(grad)
     return counts is None or (counts[1] > 0 and not counts[2])
 
-# %% ../nbs/23a_recompute.ipynb #38b1641b
+# %% ../nbs/23a_recompute.ipynb #622b8199
 class _Saved:
     "A tensor saved as it is: detached, and the version it had when saved"
     __slots__ = ('t', 'version')
@@ -117,10 +117,9 @@ class recomputed_outputs:
     def __enter__(self):
         if self._hooks is not None: raise RuntimeError("recomputed_outputs() is not reentrant: enter a new one")
         outer = None if _top_hooks is None else _top_hooks(False)
-        if (_top_hooks is None or not torch._C._autograd._saved_tensors_hooks_is_enabled()
-            or (outer is not None and not getattr(outer[0], '_clfast_observes', False))):
-            self._hooks = contextlib.nullcontext()
-        else: self._hooks = torch.autograd.graph.saved_tensors_hooks(*_hooks(outer))
+        composes = (_top_hooks is not None and torch._C._autograd._saved_tensors_hooks_is_enabled()
+                    and (outer is None or getattr(outer[0], '_clfast_observes', False)))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(*_hooks(outer)) if composes else contextlib.nullcontext()
         self._hooks.__enter__()
         return self
     def __exit__(self, *exc):

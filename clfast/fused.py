@@ -115,7 +115,7 @@ def _stock_bn(bn:nn.Module, z:Tensor) -> Tensor:
         return nn.SyncBatchNorm.forward(bn if isinstance(bn, nn.SyncBatchNorm) else bn._stock_view(), z)
     return nn.BatchNorm2d.forward(bn, z)   # BN's rules, whatever bn's class now (a SyncBatchNorm's, not synchronizing)
 
-# %% ../nbs/23_fused.ipynb #fc6d79ec
+# %% ../nbs/23_fused.ipynb #3759fa31
 LAYER_WAYS = ('fused', 'stock', 'timed')
 _layer_way = 'timed'
 _ways: dict[tuple, str] = {}      # this process's choices by `_layer_key`: the per-call path reads this, not `decide`'s cache
@@ -183,12 +183,18 @@ def _untimed(conv:nn.Conv2d, e:Exception) -> str:
               f"way ({type(e).__name__}: {e}); it runs fused")
     return 'fused'
 
+def _timing_copies(conv:nn.Conv2d, bn:nn.Module) -> tuple[nn.Module, nn.Module]:
+    """Copies of `conv` and `bn` to time ways on, in one copy (a surgically fused conv keeps its BN); `bn`'s process
+    group, which cannot be copied, shared (a group of one rank, or one this rank is not in: it does not synchronize)"""
+    pg = getattr(bn, 'process_group', None)
+    return copy.deepcopy((conv, bn), None if pg is None else {id(pg): pg})
+
 def _timed_way(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a, act_param:float, grad:bool) -> Timing:
     """The stock way of this layer (forward, and backward where `grad`) timed against the fused one on copies
     (`clfast.timing.time_pair`: stock is chosen where it is faster by the margin, at the sign test's confidence). On a
     busy machine two runs of one layer differ by 5-10%: a choice on a single median flipped resnet50's layers to stock
     at random and cost 7% of its fp32 step"""
-    conv2, bn2 = copy.deepcopy((conv, bn))   # one copy: a surgically fused conv keeps its BN
+    conv2, bn2 = _timing_copies(conv, bn)
     x2 = x.detach().requires_grad_(x.requires_grad)
     res2 = None if residual is None else residual.detach().requires_grad_(residual.requires_grad)
     def run(layer):
@@ -207,7 +213,7 @@ def _time_steps(x:Tensor, default:Callable, candidate:Callable) -> Timing:
     if x.is_cuda and _for_graphs: return time_pair(default, candidate, clock=DeviceClock(x.device))
     return time_pair(default, candidate, (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else None)
 
-# %% ../nbs/23_fused.ipynb #b28f7f25
+# %% ../nbs/23_fused.ipynb #51a36b65
 RECIPE_WAYS = ('recipe', 'conv', 'timed')
 _recipe_way = 'timed'
 _recipe_ways: dict[tuple, bool] = {}   # this process's choices by `_layer_key`: whether a 'memory' layer remembers
@@ -244,7 +250,7 @@ def _timed_recipe(x:Tensor, conv:nn.Conv2d, bn:nn.Module, a, act_param:float, ge
     that saves the output (a product, whose backward recomputes it from the recipe) and inside a `recomputed_outputs()`
     of its own, as a fit runs them. The recipe is the candidate, chosen only where faster by `time_pair`'s margin: the
     hooks' work on the step's other saved tensors is in no layer's timing"""
-    conv2, bn2 = copy.deepcopy((conv, bn))
+    conv2, bn2 = _timing_copies(conv, bn)
     x2 = x.detach().requires_grad_(x.requires_grad)
     factor = torch.ones((), device=x.device, requires_grad=True)   # its gradient needs the output: the product saves it
     def run(remember:bool):

@@ -256,7 +256,7 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #6add93e9
+# %% ../nbs/21_ops.ipynb #a27d5559
 class _LayerStep(torch.autograd.Function):
     """`clfast::conv_bn_act`'s autograd node in Python: `csrc/layer_op.cpp`'s `ConvBnAct` line for line (the same kernel
     ops, the same saved tensors; outputs, gradients and running statistics bit for bit). It runs where the C++ library
@@ -278,6 +278,12 @@ class _LayerStep(torch.autograd.Function):
                                                         *geom, eps, act, act_param, keep_y, y_here)
             # row 4, the variance the running average takes, unbiased with every rank's count (backward reads rows 0-3)
             params[4].mul_(count / (count - 1).clamp_min(1))
+            if running is not None and running[0] is not None and running[1] is not None:
+                # no rank had a value (every batch empty): the update lerps the running statistics to themselves, as
+                # BatchNorm leaves them on an empty batch (0/0 made them NaN for good); on their device, no host sync
+                none = count == 0
+                params[0].copy_(torch.where(none, running[0], params[0]))
+                params[4].copy_(torch.where(none, running[1], params[4]))
         elif direct:
             out, y, params = _triton().layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act,
                                                  act_param, keep_y, None, running if fold else None)

@@ -13,12 +13,18 @@ from .exchange import HostExchange, group_timeout, shapes_differ, _shape_words
 from .reference import acc_dtype
 
 # %% auto #0
-__all__ = ['gloo_serves_cpu']
+__all__ = ['synchronizes', 'gloo_serves_cpu']
 
-# %% ../nbs/21_syncstats.ipynb #d7f80514
+# %% ../nbs/21_syncstats.ipynb #75d5404b
+def synchronizes(pg) -> bool:
+    """Whether a BN whose process group is `pg` synchronizes: `SyncBatchNorm`'s rule, more than one rank. Not on a rank
+    outside `pg` (`new_group` gave it `GroupMember.NON_GROUP_MEMBER`, whose size torch gives as -1): PyTorch's
+    SyncBatchNorm normalizes there with the rank's own statistics"""
+    return dist.get_world_size(pg) > 1
+
 def _group_name(pg:Optional[dist.ProcessGroup]) -> str:
-    "The name the ops know `pg` by; '' (no synchronization) for None or a group of one rank"
-    if pg is None or dist.get_world_size(pg) == 1: return ''
+    "The name the ops know `pg` by; '' (no synchronization) for None or a group that does not synchronize (`synchronizes`)"
+    if pg is None or not synchronizes(pg): return ''
     return pg.group_name
 
 def gloo_serves_cpu(pg:dist.ProcessGroup) -> bool:
@@ -117,12 +123,13 @@ def _synced_stats(y:Tensor, group:str) -> tuple[Tensor, Tensor, Tensor]:
     else: mean = var = y.new_zeros(y.shape[1], dtype=acc)   # a rank with an empty batch contributes nothing
     mean_r, var_r, n_r = _gather_rows(torch.stack([mean, var, torch.full_like(mean, m)]).double(), group).unbind(1)
     n = n_r.sum(0)
-    mean = (n_r * mean_r).sum(0) / n
-    var = (n_r * (var_r + (mean_r - mean) ** 2)).sum(0) / n
+    per = n.clamp_min(1)   # no rank had a value (every batch empty): mean and variance 0, not 0/0's NaN
+    mean = (n_r * mean_r).sum(0) / per
+    var = (n_r * (var_r + (mean_r - mean) ** 2)).sum(0) / per
     return mean.to(acc), var.to(acc), n
 
 def _synced_grad_means(sum_dz:Tensor, sum_dzx:Tensor, y:Tensor, group:str) -> Tensor:
     "`[2, C]`: `sum(dz)` and `sum(dz*xhat)` summed over the ranks of `group`, divided by their total count"
     mine = torch.stack([sum_dz, sum_dzx, torch.full_like(sum_dz, y.numel() // y.shape[1])]).double()
     sums = _gather_rows(mine, group).sum(0)
-    return (sums[:2] / sums[2]).to(sum_dz.dtype)
+    return (sums[:2] / sums[2].clamp_min(1)).to(sum_dz.dtype)   # (every batch empty: sums of nothing, 0)

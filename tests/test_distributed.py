@@ -220,12 +220,22 @@ def test_synchronized_bn_with_an_empty_rank(tmp_path, kind, kernels):
     DDP: nobody waits (the empty rank joins every exchange), the full rank's output and input gradient are the model's
     on its 8 rows alone (float64, by hand), the empty rank's have no rows, both ranks end with the same parameter
     gradients (the 8 rows') and running statistics (updated from the 8 rows)"""
-    runs = [(8, 0), (0, 8)]
+    runs = [(8, 0), (0, 8), (0, 0)]
     _spawn(_empty_rank_worker, str(tmp_path/'init'), str(tmp_path), kind, kernels, runs)
     ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(WORLD)]
     out, dx, grads, stats = _empty_rank_reference(kind, 8)
     synced = 'PreciseSyncBatchNorm' if kind == 'precise' else 'PassThroughSyncBatchNorm'
-    for i, sizes in enumerate(runs):
+    # every rank's batch empty (a detection head with no boxes anywhere this step): the running statistics stay as they
+    # were, as BatchNorm leaves them on an empty batch, and the step is counted (0/0 made them NaN, and every later
+    # eval output); no gradient
+    fresh = _empty_rank_model(kind).state_dict()
+    for r in ranks:
+        assert r[2]['out'].shape == (0, *out.shape[1:]) and r[2]['dx'].shape == (0, *dx.shape[1:])
+        assert all(not g.any() for g in r[2]['grads'].values())
+        for k, want in fresh.items():
+            got = r[2]['state'][k]
+            assert got.item() == 1 if k.endswith('num_batches_tracked') else torch.equal(got, want), f"{k}: {got}"
+    for i, sizes in enumerate(runs[:2]):
         full, empty = (ranks[r][i] for r in (sizes.index(8), sizes.index(0)))
         assert synced in full['kinds'], full['kinds']
         assert empty['out'].shape == (0, *out.shape[1:]) and empty['dx'].shape == (0, *dx.shape[1:])
@@ -264,15 +274,16 @@ def _reinit_worker(rank, init):
 def test_process_group_made_again(tmp_path): _spawn(_reinit_worker, str(tmp_path/'init'))
 
 def _subgroup_worker(rank, init, out):
-    """Ranks 0 and 1 synchronize over a subgroup, rank 2 trains alone; afterwards the whole world makes a group
-    (a later `new_group`, as a user's evaluation or a second subgroup split would)"""
+    """Ranks 0 and 1 synchronize over a subgroup, rank 2 (outside it: `new_group` gave it no group, as PyTorch's
+    SyncBatchNorm takes it) trains alone; afterwards the whole world makes a group (a later `new_group`, as a user's
+    evaluation or a second subgroup split would)"""
     from clfast.fuse import fuse_conv_bn, convert_sync_batchnorm
     from clfast.syncstats import _twin
     _init(rank, init, timeout=30, world=3)
     sub = dist.new_group([0, 1])   # every rank makes every group (torch's rule), uses its own
     torch.manual_seed(0); m = nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU()).double()
     fuse_conv_bn(m)
-    if rank < 2: m = convert_sync_batchnorm(m, process_group=sub)
+    m = convert_sync_batchnorm(m, process_group=sub)   # on rank 2 too: it raised there (the group's name of no group)
     x = _data(14)[0].double()[4 * rank:4 * rank + 4 + rank]   # 4, 5 and 6 samples (rows 0-3, 4-8, 8-13)
     m(x).sum().backward()
     faulthandler.dump_traceback_later(60, exit=True)   # a rendezvous that hangs is bounded by no collective's timeout
@@ -286,7 +297,7 @@ def _subgroup_worker(rank, init, out):
 def test_subgroup_synchronized_then_a_world_group(tmp_path):
     """Synchronizing over a subgroup of the world leaves every rank's group counter alike: a later world group forms
     (it hung: the twin group made by the subgroup's ranks alone moved their counter only). The subgroup's ranks share
-    its batch statistics, fp64 reference; the rank outside keeps its own"""
+    its batch statistics, fp64 reference; the rank outside, converted with the same group, keeps its own"""
     _spawn(_subgroup_worker, str(tmp_path/'init'), str(tmp_path), world=3)
     ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(3)]
     assert [r['seen'].item() for r in ranks] == [3.0] * 3
@@ -354,6 +365,32 @@ def test_unfused_bn_on_cpu_is_synchronized_by_clfast(one_rank_gloo, monkeypatch)
     monkeypatch.undo()
     assert nn.SyncBatchNorm.convert_sync_batchnorm(m) is m and type(m[0]) is PreciseSyncBatchNorm
     assert m[0].process_group is None and not isinstance(m[0], nn.SyncBatchNorm)
+
+@pytest.mark.parametrize('mode', ['speed', 'memory', 'off'])
+def test_a_group_of_one_rank_normalizes_as_batchnorm(one_rank_gloo, mode):
+    """A synchronized BN over a group of one rank (`torchrun --nproc_per_node 1`) does PyTorch's SyncBatchNorm's work
+    there: BatchNorm's, unsynchronized. A fused model (converted after fusing) and an unfused one (clfast's
+    precise SyncBatchNorm) train as the stock model in fp64; an empty batch gives an empty output and leaves the
+    running statistics as they were, the step counted (it raised: "batch statistics need at least one value")"""
+    from clfast.fuse import fuse_conv_bn, convert_sync_batchnorm
+    import torchvision
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                        torchvision.models.resnet.BasicBlock(4, 4)).double()
+    m = copy.deepcopy(ref)
+    if mode != 'off': fuse_conv_bn(m, mode)
+    m = convert_sync_batchnorm(m).to(memory_format=torch.channels_last)
+    x = (torch.randn(3, 3, 5, 5, dtype=torch.float64) * 2 + 1).to(memory_format=torch.channels_last)
+    for batch in (x, x[:0]):
+        got, want = m(batch.clone().requires_grad_()), ref(batch.clone().requires_grad_())
+        assert got.shape == want.shape
+        got.square().sum().backward(); want.square().sum().backward()
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+        for (k, a), b in zip(m.state_dict().items(), ref.state_dict().values()):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=k)
+        for (k, p), q in zip(m.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-10, rtol=1e-10, msg=k)
+    assert all(v.item() == 2 for k, v in m.state_dict().items() if k.endswith('num_batches_tracked'))
 
 def test_standalone_fused_module_converts(one_rank_gloo):
     """A FusedConvBN2d built directly runs its child `bn`: converted (as PyTorch converts: a new BN over the same

@@ -190,6 +190,13 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
                                              act, act_param, keep_y, y_here);
         // row 4, the variance the running average takes, unbiased with every rank's count (backward reads rows 0-3)
         params.select(0, 4).mul_(count / (count - 1).clamp_min(1));
+        if (running.update && given(running.mean) && given(running.var)) {
+          // no rank had a value (every batch empty): the update lerps the running statistics to themselves, as
+          // BatchNorm leaves them on an empty batch (0/0 made them NaN for good); on their device, no host sync
+          const Tensor none = count.eq(0);
+          params.select(0, 0).copy_(at::where(none, *running.mean, params.select(0, 0)));
+          params.select(0, 4).copy_(at::where(none, *running.var, params.select(0, 4)));
+        }
       } else {
         std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g, eps, act,
                                              act_param, keep_y, std::nullopt);

@@ -17,7 +17,7 @@ from .report import _reports
 # %% auto #0
 __all__ = ['convert_sync_batchnorm']
 
-# %% ../../nbs/24c_fuse_syncbn.ipynb #1fb4dd70
+# %% ../../nbs/24c_fuse_syncbn.ipynb #3ad79a24
 _stock_convert_sync = getattr(nn.SyncBatchNorm, '_clfast_stock_convert', nn.SyncBatchNorm.convert_sync_batchnorm.__func__)
 
 def _synced(bn:nn.Module, process_group) -> nn.Module:
@@ -32,8 +32,12 @@ def _synced(bn:nn.Module, process_group) -> nn.Module:
 def _on_cpu(m:nn.Module) -> bool: return any(t.device.type == 'cpu' for t in [*m.parameters(), *m.buffers()][:1])
 
 def _gloo(process_group) -> bool:
-    "Whether BNs synchronize over a gloo group (`process_group`, else the world): there PyTorch's SyncBatchNorm cannot run on the CPU"
-    return dist.is_available() and dist.is_initialized() and gloo_serves_cpu(process_group or dist.group.WORLD)
+    """Whether BNs would synchronize over a gloo group (`process_group`, else the world): there PyTorch's SyncBatchNorm
+    cannot run on the CPU. On a rank outside `process_group` (it does not synchronize), the world's backend: PyTorch's
+    SyncBatchNorm refuses a CPU batch there too"""
+    if not (dist.is_available() and dist.is_initialized()): return False
+    pg = process_group or dist.group.WORLD
+    return gloo_serves_cpu(pg if dist.get_world_size(pg) >= 0 else dist.group.WORLD)
 
 def _cpu_sync_refusals(module:nn.Module, process_group=None, cls:type=_BatchNorm) -> list[str]:
     "Names of the unfused `cls` layers of `module` that would run as PyTorch's SyncBatchNorm on the CPU under a gloo group, where it cannot, and that clfast's precise BN cannot stand in for"

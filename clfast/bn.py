@@ -64,7 +64,7 @@ def imprecise_cl_batch_norm() -> bool:
     "Whether stock channels-last CPU BatchNorm training is more than 3x less precise than contiguous here (a probe)"
     return _bn_errors(torch.channels_last) > 3 * _bn_errors(torch.contiguous_format)
 
-# %% ../nbs/27_bn.ipynb #5f2283af
+# %% ../nbs/27_bn.ipynb #537515c5
 _HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 # by name: clfast does not import timm
 _BN_ACT, _SYNC_BN_ACT = 'timm.layers.norm_act.BatchNormAct2d', 'timm.layers.norm_act.SyncBatchNormAct'
@@ -77,14 +77,15 @@ def _runs_precise(bn:nn.Module, x:Tensor) -> bool:
     if x.dim() != 4: return False
     if x.dtype not in _HALF_OR_FLOAT: return False   # fp64 sums in fp64 either way
     if kernel_layout(x) is not torch.channels_last: return False   # nchw, or ambiguous
+    if _tracing(): return False   # a graph traced or exported runs where clfast may not be: stock BN's ops
     if bn.training: return True
-    # in eval only its backward sums (a frozen BN's weight and bias gradients), and not in a graph traced or exported
-    # for inference: that graph of stock ops runs where clfast is not installed
-    return (torch.is_grad_enabled() and (x.requires_grad or (bn.weight is not None and bn.weight.requires_grad))
-            and not _tracing())
+    # in eval only its backward sums (a frozen BN's weight and bias gradients)
+    return torch.is_grad_enabled() and (x.requires_grad or (bn.weight is not None and bn.weight.requires_grad))
 
 def _tracing() -> bool:
-    "Whether `torch.jit.trace` or `torch.export` is recording this call"
+    """Whether `torch.jit.trace` or `torch.export` is recording this call: the graph it saves runs where clfast may not
+    be installed (or not loaded: its kernels register at the first fused call), so clfast's modules record the stock
+    modules' ops there. Not torch.compile's tracing (not exporting): its graph runs in this process, clfast's op in it"""
     return torch.jit.is_tracing() or getattr(torch.compiler, 'is_exporting', lambda: False)()
 
 def symbolic_bn(bn:nn.Module, z:Proxy) -> Proxy:

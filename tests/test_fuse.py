@@ -156,6 +156,23 @@ def test_fold(name, onednn):
     assert not any(isinstance(c, FoldedConv2d) for c in loaded.modules())
     with torch.no_grad(): torch.testing.assert_close(loaded(x), m(x), rtol=1e-3, atol=1e-4)
 
+def test_a_folded_model_traces_and_exports_as_stock_convs():
+    """`torch.jit.trace` under no_grad (inference's way: it failed, a PyTorch internal assert over the reordered oneDNN
+    weight) and `torch.export` of a folded model record stock convs, whose results are the folded weights' in fp64"""
+    torch.manual_seed(0)
+    f = fold_conv_bn(randomize_bn(MODELS['tv_resnet50']()).eval())
+    assert any(c.onednn for c in f.modules() if isinstance(c, FoldedConv2d))
+    x = torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter('ignore', FutureWarning)   # torch.jit is deprecated, not gone
+        traced = torch.jit.trace(f, x)
+        exported = torch.export.export(f, (x,))
+    kinds = {n.kind() for n in traced.inlined_graph.nodes()}
+    assert 'aten::_convolution' in kinds and not any('mkldnn' in k for k in kinds), kinds
+    assert not any('mkldnn' in str(n.target) for n in exported.graph.nodes), exported.graph
+    with torch.no_grad():
+        for g in (traced, exported.module()): assert _rel64(g(x), f, x) < 1e-5
+
 def test_fold_repacks_when_shape_or_weights_change():
     "The prepacked oneDNN weights follow the folded conv's weights (in-place edits, load_state_dict) and input shape"
     torch.manual_seed(0)

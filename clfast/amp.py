@@ -198,7 +198,7 @@ def _check_scaler_kwargs(kwargs:dict) -> dict:
         if not ok(v): raise ValueError(f"MixedPrecision: GradScaler's {k}={v!r} must be {what}")
     return kwargs
 
-# %% ../nbs/01_amp.ipynb #e391e8df
+# %% ../nbs/01_amp.ipynb #2416b6a1
 @delegates(GradScaler)
 class MixedPrecision(_StateDefaults, Callback):
     "Mixed precision training with PyTorch AMP on CUDA, CPU and MPS; same arguments as fastai's `MixedPrecision`"
@@ -217,13 +217,22 @@ class MixedPrecision(_StateDefaults, Callback):
     def before_fit(self):
         self._exit_autocast()   # belt and braces: nothing should have been left entered
         self.device = self._device()
-        self.dtype, use_scaler, why = resolve_amp(self.device, self.amp_mode)
+        self.dtype, use_scaler, why, self.autocast = self._precision(self.device)
         if why: warn_user(why, once_for=self)
-        enabled = self.dtype != torch.float32
-        if enabled and self.device.type == 'cpu': self.fp32_ops = cpu_fp32_fallbacks(self.dtype)
-        self.autocast = autocast(self.device.type, dtype=self.dtype if enabled else None, enabled=enabled)
         self.learn.scaler = GradScaler(self.device.type, **{**self.kwargs, 'enabled': use_scaler and self.kwargs.get('enabled', True)})
         self.scales = L()
+
+    def _precision(self, device:torch.device) -> tuple:
+        """`(dtype, use_scaler, why, autocast)` of a fit on `device`: `resolve_amp`'s, and the autocast entered around
+        each batch's forward (on a CPU, the ops its dtype cannot run registered to run in fp32: `fp32_ops`)"""
+        dtype, use_scaler, why = resolve_amp(device, self.amp_mode)
+        enabled = dtype != torch.float32
+        if enabled and device.type == 'cpu': self.fp32_ops = cpu_fp32_fallbacks(dtype)
+        return dtype, use_scaler, why, autocast(device.type, dtype=dtype if enabled else None, enabled=enabled)
+
+    def fit_autocast(self) -> autocast:
+        "The autocast a fit of the learner would enter around each batch's forward (`clfast.audit`'s audits run in it)"
+        return self._precision(self._device())[3]
 
     def _device(self) -> torch.device:
         dev = _model_device(self.learn)

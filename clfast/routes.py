@@ -16,15 +16,15 @@ from .ops import kernels_ready, autocast_on, autocast_cast, autocast_dtype, no_a
 from .bad_kernels import GuardPlan, guard_acts, route
 
 # %% auto #0
-__all__ = ['SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'SLOW_BF16_BACKWARD', 'SLOW_FP16_BACKWARD', 'SLOW_POINTWISE_MAPS',
-           'HALF_DTYPES', 'NARROW_WEIGHT_GRAD_CASES', 'GROUPED_NARROW_FORWARD_CASES', 'NARROW_WEIGHT_GRAD_WRONG',
-           'GROUPED_NARROW_FORWARD_WRONG', 'WRONG_ONE_SAMPLE_INSTANCE_NORM', 'premise', 'forget_premises',
-           'effective_dilation', 'dilates_a_size_one_dim', 'MeasuredKernel', 'weight_grad_in_nchw',
+__all__ = ['SHORT_INPUT_WGRAD', 'SHORT_INPUT_MIN_WEIGHT', 'SLOW_BF16_BACKWARD', 'SLOW_FP16_BACKWARD', 'TIMED_BACKWARD',
+           'SLOW_POINTWISE_MAPS', 'HALF_DTYPES', 'NARROW_WEIGHT_GRAD_CASES', 'GROUPED_NARROW_FORWARD_CASES',
+           'NARROW_WEIGHT_GRAD_WRONG', 'GROUPED_NARROW_FORWARD_WRONG', 'WRONG_ONE_SAMPLE_INSTANCE_NORM', 'premise',
+           'forget_premises', 'effective_dilation', 'dilates_a_size_one_dim', 'MeasuredKernel', 'weight_grad_in_nchw',
            'short_input_slower', 'may_meet_short_input', 'short_input_plan', 'reduced_backward_slower',
-           'may_meet_slow_backward', 'slow_backward_conv', 'is_pointwise', 'on_pointwise_maps', 'pointwise_product',
-           'pointwise_maps_slower', 'may_meet_slow_pointwise', 'takes_pointwise_product', 'output_width',
-           'half_conv_wrong', 'may_meet_narrow_map', 'narrow_map_plan', 'conv_in_fp32', 'guarded_conv', 'GuardedConv2d',
-           'call_plan', 'per_call_route', 'one_sample_instance_norm_wrong', 'GuardedInstanceNorm2d']
+           'may_meet_slow_backward', 'slow_backward_conv', 'routed_backward', 'is_pointwise', 'on_pointwise_maps',
+           'pointwise_product', 'pointwise_maps_slower', 'may_meet_slow_pointwise', 'takes_pointwise_product',
+           'output_width', 'half_conv_wrong', 'may_meet_narrow_map', 'narrow_map_plan', 'conv_in_fp32', 'guarded_conv',
+           'GuardedConv2d', 'call_plan', 'per_call_route', 'one_sample_instance_norm_wrong', 'GuardedInstanceNorm2d']
 
 # %% ../nbs/04c_routes.ipynb #5db11f11
 def _constant_under_compile(fn:Callable) -> Callable:
@@ -142,7 +142,7 @@ def short_input_plan(conv:nn.Conv2d, x:Tensor, weight:Tensor):
     if torch.channels_last not in (suggest_memory_format(x), suggest_memory_format(weight)): return None   # nchw already
     return _SHORT_INPUT_PLAN
 
-# %% ../nbs/04c_routes.ipynb #f6070515
+# %% ../nbs/04c_routes.ipynb #cbdf5ac8
 def reduced_backward_slower(dtype:torch.dtype) -> Timing:
     "The probe of `SLOW_BF16_BACKWARD` / `SLOW_FP16_BACKWARD`: a depthwise 3x3 stride-2 and a dense 3x3 channels-last conv backward (batch 8, 16x16), ATen's in fp32 on widened copies timed against stock in `dtype` (`time_pair`); the depthwise one's timing unless only the dense one is faster"
     def timing(c, groups):
@@ -219,6 +219,13 @@ def slow_backward_conv(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None
     x, weight, bias = autocast_cast(x, weight, bias, dev='cpu')
     with no_autocast('cpu'):
         return _TimedBackwardConv.apply(x, weight, bias, conv.stride, conv.padding, dilation, conv.groups, key)
+
+TIMED_BACKWARD = ('timed backward', "its half-precision backward measured slower than fp32's here: run the way timed "
+                  "fastest for its shape (`clfast check` lists them)")
+
+def routed_backward(node) -> bool:
+    "Whether autograd `node` is a conv backward `slow_backward_conv` routed: the way timed for its shape, whose copies are clfast's"
+    return type(node) is _TimedBackwardConv._backward_cls
 
 # %% ../nbs/04c_routes.ipynb #d8ca0446
 def _zero_padding(conv) -> bool:

@@ -318,7 +318,7 @@ def test_learner_audit_on_image_folder(digit_folder):
     "ImageDataLoaders yield TensorImage: the audit runs CastToTensor as fit does, so it sees training's plain tensor"
     from fastai.vision.all import TensorImage
     spy = Spy()
-    learn = folder_learner(digit_folder, cbs=spy).to_channelslast(amp_mode='bf16')   # MixedPrecision is left out
+    learn = folder_learner(digit_folder, cbs=spy).to_channelslast(amp_mode='bf16')
     assert type(learn.dls.one_batch()[0]) is TensorImage
     r = learn.audit_channelslast()
     # the subclass's own copies (44 backward events at 64 px) are gone: the head's max/avg-pool gradients remain
@@ -332,6 +332,38 @@ def test_learner_audit_on_image_folder(digit_folder):
     with warnings.catch_warnings():   # bf16 falls back to fp32 on CPUs without native bf16, with a warning
         warnings.simplefilter('ignore'); learn.fit(1)   # the learner still trains after both audits
     assert spy.types[-1] is torch.Tensor
+
+class AutocastSpy(Callback):
+    "Records the CPU autocast state each training forward of the model runs in"
+    def __init__(self): self.seen = []
+    def before_fit(self):
+        self.hook = self.model.register_forward_pre_hook(
+            lambda m, a: self.seen.append(torch.get_autocast_dtype('cpu') if torch.is_autocast_enabled('cpu') else None))
+    def after_fit(self): self.hook.remove()
+
+def test_learner_audit_runs_in_the_fit_precision(digit_folder, monkeypatch):
+    """`audit_channelslast` audits under the autocast the learner's fit trains in (bf16 here where this CPU's fit takes
+    it), as `ChannelsLastAudit` does inside the fit: the two reports agree (it audited in fp32, and a bf16 resnet18
+    read 1 event there against 67 in the fit). The copies of a half-precision conv backward clfast routes
+    (`clfast.routes.slow_backward_conv`, measured slow here: made present for the test) are clfast's own, listed as
+    guarded, not counted (66 of those 67)"""
+    import clfast.callback   # noqa: F401  (clfast's to_channelslast, whose MixedPrecision autocasts the CPU; fastai's autocasts CUDA alone)
+    from clfast import timing
+    from clfast.routes import SLOW_BF16_BACKWARD
+    monkeypatch.setitem(timing._here, f'premise:{SLOW_BF16_BACKWARD.name}', True)
+    learn = folder_learner(digit_folder).to_channelslast(amp_mode='bf16')
+    spy = AutocastSpy()
+    spy.learn = learn
+    spy.before_fit()
+    try: r = learn.audit_channelslast()
+    finally: spy.after_fit()
+    audit_cb, fit_spy = ChannelsLastAudit(), AutocastSpy()
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(1, cbs=[audit_cb, fit_spy])
+    assert spy.seen[0] == fit_spy.seen[0], (spy.seen, fit_spy.seen)
+    assert rows(r) == rows(audit_cb.report) == [('1.0.mp', 'aten.add', 'backward', 'lost')], (r, audit_cb.report)
+    assert [g for g in r.guarded if g[1] == 'timed backward'] == [g for g in audit_cb.report.guarded if g[1] == 'timed backward']
 
 def test_callback_warns_once():
     learn = make_learner(64).to_channelslast(use_amp=False)

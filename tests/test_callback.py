@@ -414,3 +414,32 @@ def test_lazy_modules_prepared_once_they_have_run(fuse):
     assert all(is_channels_last(p) for p in learn.model.parameters() if p.dim() == 4)
     held = {id(p) for g in learn.opt.param_lists for p in g}
     assert held == {id(p) for p in learn.model.parameters()}
+
+def test_export_after_a_fit_given_channels_last_writes_contiguous_weights(tmp_path):
+    """`fit(cbs=[ChannelsLast(fuse=...)])` leaves the model channels-last and fused once its callback is gone: `export`
+    still writes contiguous weights in stock modules (it wrote the channels-last ones), and the model in memory stays
+    as the fit left it"""
+    learn = datasets_learner(path=tmp_path)
+    with learn.no_bar(), learn.no_logging(), warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        learn.fit(1, cbs=[ChannelsLast(fuse='speed')])
+    assert not any(isinstance(c, ChannelsLast) for c in learn.cbs)
+    w = learn.model[0][0].weight
+    assert is_channels_last(w) and 'Fused' in type(learn.model[0][0]).__name__
+    learn.export('export.pkl')
+    assert learn.model[0][0].weight is w and is_channels_last(w)
+    exported = torch.load(tmp_path/'export.pkl', weights_only=False).model
+    convs = [m for m in exported.modules() if isinstance(m, nn.Conv2d)]
+    assert convs and all(type(m) is nn.Conv2d and m.weight.is_contiguous() for m in convs)
+
+def test_a_failed_export_leaves_the_learner_as_it_was(tmp_path):
+    "Saving fails (a folder that does not exist): the learner keeps its data and optimizer state (fastai's export left them emptied: the next fit logged nan) and trains on"
+    learn = datasets_learner(path=tmp_path).to_channelslast(use_amp=False)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    dls, opt, cbs = learn.dls, learn.opt, list(learn.cbs)
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state_dict()['state'][0].items()}
+    with pytest.raises((FileNotFoundError, RuntimeError)): learn.export('no/such/folder/export.pkl')
+    assert learn.dls is dls and learn.opt is opt and list(learn.cbs) == cbs and len(learn.dls.train) > 0
+    for k, v in learn.opt.state_dict()['state'][0].items(): assert torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k], k
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert all(math.isfinite(v) for v in learn.recorder.values[-1])

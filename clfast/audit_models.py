@@ -63,7 +63,7 @@ def _worst(r:ChannelsLastReport) -> tuple[str, str]:
     op = r.events[r.events.module == m].groupby('op')['bytes'].sum().idxmax()
     return f"{m or '(root)'} ({r.module_types.get(m, '')})", op
 
-# %% ../nbs/11_audit_models.ipynb #df532010
+# %% ../nbs/11_audit_models.ipynb #6a93cfcf
 def audit_model(name:str, source:str, size:int=64, bs:int=2) -> dict:
     "Audit `name` in channels-last on a random batch: one row of the coverage table"
     row = dict(model=name, source=source, size=None, events_forward=None, events_backward=None,
@@ -74,7 +74,7 @@ def audit_model(name:str, source:str, size:int=64, bs:int=2) -> dict:
         row['error'] = f"{type(e).__name__}: {e}".splitlines()[0][:120]
         return row
     err = None
-    for sz in [s for s in SIZES if s >= size] or [size]:
+    for sz in [size] + [s for s in SIZES if s > size]:   # the size asked first (a 32 px audit was run at 64)
         try: r = audit(model, to_channels_last(torch.randn(bs, 3, sz, sz)))
         except Exception as e: err = e; continue
         n = r.events.phase.value_counts()

@@ -79,14 +79,15 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument('--seed', type=int, default=42, help="random seed of both runs")
     return p
 
-# %% ../nbs/90_cli.ipynb #7b9e6293
+# %% ../nbs/90_cli.ipynb #06aff78f
 def audit_models_parser() -> argparse.ArgumentParser:
     "Options of `clfast audit-models`"
     p = _parser('clfast audit-models', "Audit torchvision and timm models (random weights, CPU, train mode, forward and "
                 "backward) in channels-last and write the coverage table as markdown and CSV.")
     p.add_argument('--source', choices=['all', 'torchvision', 'timm'], default='all', help="which model zoo")
     p.add_argument('--models', nargs='+', help='only these model names (needs --source torchvision or timm; default: every model of the source)')
-    p.add_argument('--size', type=positive_int, default=64, help='smallest image size tried, in pixels')
+    p.add_argument('--size', type=positive_int, default=64, help="image size in pixels: where a model cannot take it, "
+                   "the next larger of 64, 96, 128, 160, 224, 299 it can")
     p.add_argument('--bs', type=positive_int, default=2, help='batch size')
     p.add_argument('--out', default='audit_coverage', help='output path without extension')
     return p
@@ -116,7 +117,8 @@ def check_parser() -> argparse.ArgumentParser:
                    "both have it; default: only the timed decisions)")
     p.add_argument('--size', type=positive_int, default=224, help="input image size")
     p.add_argument('--channels', type=positive_int, default=3, help="input channels")
-    p.add_argument('--precision', default='float32', choices=['float32', 'bfloat16', 'float16'])
+    p.add_argument('--precision', default='float32', choices=['float32', 'bfloat16', 'float16'],
+                   help="the precision the convs compute in (bfloat16 and float16: as under autocast)")
     p.add_argument('--timeout', type=positive_float, default=60, help="seconds a geometry may take before it counts as hung")
     return p
 
@@ -125,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _parser('clfast build', "Build clfast's C++ CPU kernels for this torch into torch's extension cache, each level "
                 "in a process of its own, and say how long each took. Optional: the kernels build on first use too "
                 "(once per machine and torch, said when it happens); this builds them ahead, e.g. in a Docker image.")
-    p.add_argument('--levels', nargs='+', default=None,
+    p.add_argument('--levels', nargs='+', default=None, choices=['generic', 'avx2', 'avx512', 'all'],
                    help="generic, avx2, avx512, or all: every level this CPU runs, the lower ones for CLFAST_MAX_CPU_ISA "
                         "and the ISA test matrix (default: this CPU's own)")
     return p

@@ -167,7 +167,7 @@ def _register_chooser():
                     "int[] dilation, int groups, int needs, bool rows, int[] ways) -> int")
     _chooser.impl('choose_backward', _choose_backward, 'CPU')
 
-# %% ../nbs/22_cpu_kernels.ipynb #ba3a4e1e
+# %% ../nbs/22_cpu_kernels.ipynb #bd2618f8
 PACKAGE = Path(clfast.__file__).parent
 
 def levels_here() -> list[str]:
@@ -191,13 +191,18 @@ def installed_library(level:str|None=None) -> tuple[Path|None, str]:
         return None, f"the package's was built for another torch ({built}), this is torch {torch.__version__}"
     return None, "the package's was built from other sources or flags"
 
+def _build_levels(levels:list[str]|None) -> list[str]:
+    "`build`'s `levels` as the levels to build; a ValueError naming this CPU's levels for one it does not run"
+    levels = [clfast_isa()] if levels is None else levels_here() if list(levels) == ['all'] else list(levels)
+    bad = [l for l in levels if l not in levels_here()]
+    if bad: raise ValueError(f"this CPU runs levels {', '.join(levels_here())}, not {', '.join(bad)}")
+    return levels
+
 def build(levels:list[str]|None=None) -> dict:
     """Build the library of each of `levels` (default: this CPU's own, `clfast_isa()`; 'all': `levels_here()`) into the
     cache now, each in a process of its own (a process loads one level); `{level: seconds}`. Raises RuntimeError, with
     the compiler's output, on a failure"""
-    levels = [clfast_isa()] if levels is None else levels_here() if list(levels) == ['all'] else list(levels)
-    bad = [l for l in levels if l not in levels_here()]
-    if bad: raise ValueError(f"this CPU runs levels {', '.join(levels_here())}, not {', '.join(bad)}")
+    levels = _build_levels(levels)
     why = missing_toolchain()
     if why: raise RuntimeError(f"cannot build the C++ CPU kernels: {why}")
     took = {}
@@ -217,8 +222,12 @@ def built_levels() -> dict[str, str]:
 def main(options) -> int:
     "`clfast build`: build the kernels of this CPU's level (or of `--levels`) into the cache, saying what and for which torch"
     # the folder torch's extension builder uses (TORCH_EXTENSIONS_DIR, else its per-Python/CUDA cache), each level's library a folder in it
+    try: levels = _build_levels(options.levels)
+    except ValueError as e:   # a level this CPU does not run: one line, as a bad option's (it was a traceback)
+        print(f"clfast build: {e}", file=sys.stderr)
+        return 2
     print(f"clfast: building the C++ CPU kernels for torch {torch.__version__} into {_cached_library().parent.parent} ...", flush=True)
-    took = build(options.levels)
+    took = build(levels)
     for level, t in took.items(): print(f"  {level:<8} {t:5.0f} s", flush=True)
     return 0
 

@@ -539,7 +539,7 @@ def bench_model(arch:str, bs:int=16, size:int=160, steps:int=5, device=None, set
         make_opt = lambda m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
         return measure_setups(model, batches, nn.functional.cross_entropy, make_opt, setups, device, budget, progress)
 
-# %% ../nbs/30_finder.ipynb #4139f9f0
+# %% ../nbs/30_finder.ipynb #307c02e2
 def main(a:argparse.Namespace):
     "`clfast bench`, given its options (`clfast.cli.bench_parser`): the format finder's table for a timm/torchvision model on random images"
     import json
@@ -550,5 +550,6 @@ def main(a:argparse.Namespace):
     else:
         print(f"clfast bench: {a.arch}, batch {a.bs}, {a.size} px, {a.steps} measured steps per setup, {df.attrs['device']}; "
               f"memory = {df.attrs['memory']}")
-        with pd.option_context('display.width', 160, 'display.max_columns', 10, 'display.precision', 3): print(df)
+        # every column, however wide the terminal (at pandas' 80 columns `grad_error`, the column a setup is judged on, read '...')
+        with pd.option_context('display.precision', 3): print(df.to_string())
         print(f"best: {best_setup(df)[1]}")

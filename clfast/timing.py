@@ -292,23 +292,36 @@ def forget_timings(prefix:str=''):
         cache.clear().update(kept)
     for k in [k for k in _here if k.startswith(prefix)]: del _here[k]; _here_threads.pop(k, None)
 
-# %% ../nbs/04a_timing.ipynb #20551605
+# %% ../nbs/04a_timing.ipynb #f803690c
 _WAYS = {'amp': ('fp32', 'the half precision'), 'premise': ('the stock kernel', "clfast's route"),
          'layer': ('the fused op', 'the stock modules'), 'conv_backward': ("ATen's conv backward", None),
          'recipe': ("the conv recomputed ('memory')", "the output recomputed (a recipe)")}   # (default, candidate) of each kind
+
+def _cached_thread_counts() -> list[int]:
+    "The thread counts this machine's cache holds decisions at, for this torch, CPU, levels and clfast (a section each)"
+    cache = _TimingCache(TIMINGS)
+    def split(key): return [p for p in key.split(' | ') if not p.endswith(' threads')], [p for p in key.split(' | ') if p.endswith(' threads')]
+    mine, _ = split(cache.key())
+    return sorted(int(t[0].split()[0]) for k in cache._load() for rest, t in [split(k)] if rest == mine and t)
 
 def report() -> str:
     "This machine's decisions, one line each: the candidate's time over the default's, the pairs, the way chosen"
     rows = timings()
     loaded = {k: v['busy'] for k, v in _TimingCache(TIMINGS).entries().items() if isinstance(v, dict) and 'by' in v}
-    head = (f"clfast's timed decisions on this machine ({_TimingCache(TIMINGS).path}): a candidate replaces the default "
+    threads = get_num_threads()
+    head = (f"clfast's timed decisions on this machine at {threads} thread{'s' * (threads != 1)} ({_TimingCache(TIMINGS).path}): a candidate replaces the default "
             f"where it takes at most {MARGIN:g} of its time (sign test, {1 - ALPHA:.1%} confidence, {MIN_PAIRS}-{MAX_PAIRS} pairs; "
             f"a candidate the test can no longer choose stops sooner)")
+    others = [n for n in _cached_thread_counts() if n != threads]
+    if others:   # a decision holds at the thread count it was measured at: the others' are the cache's too
+        head += (f"\n  (also cached at {', '.join(map(str, others))} threads: OMP_NUM_THREADS={others[0]} "
+                 f"clfast check lists those)")
     if not rows: return head + "\n  none yet: each is measured when first needed"
     lines = [head]
     for k, t in sorted(rows.items()):
         default, candidate = _WAYS.get(k.split(':')[0], ('the default', 'the candidate'))
         if k.startswith('conv_backward:'): candidate = f"the {k.split()[-1]} way"   # its key names it
+        if k.startswith('amp:'): candidate = k[4:].split('_')[0]   # 'amp:bf16_step': bf16
         if isinstance(t, bool): lines.append(f"  {k}: {'holds' if t else 'does not hold'} (measured by its numerics)")
         else:
             way = candidate if t.chosen else default + ('' if t.faster is False else ' (undecided)')

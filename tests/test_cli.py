@@ -115,6 +115,19 @@ def test_check_whose_child_cannot_start_says_so(tmp_path, monkeypatch, capsys):
 
 def test_audit_models_out_keeps_dots_in_its_name(tmp_path):
     "`--out cov_torch2.5` writes cov_torch2.5.md and .csv (the '.5' was taken for an extension: cov_torch2.md)"
-    r = _run('audit-models', '--source', 'torchvision', '--models', 'resnet18', '--size', '32', '--bs', '1',
+    r = _run('audit-models', '--source', 'torchvision', '--models', 'resnet18', '--size', '48', '--bs', '1',
              '--out', str(tmp_path/'cov_torch2.5'))
     assert sorted(p.name for p in tmp_path.iterdir()) == ['cov_torch2.5.csv', 'cov_torch2.5.md'], r.stdout + r.stderr
+    import pandas as pd   # audited at the size asked (it was the next of its list of sizes: 64)
+    assert pd.read_csv(tmp_path/'cov_torch2.5.csv')['size'].tolist() == [48]
+
+def test_build_names_a_level_it_cannot_build_in_one_line(monkeypatch, capsys):
+    "`clfast build --levels` of a level this CPU does not run: one line naming the ones it does, exit 2, nothing built (a traceback)"
+    from clfast import cpu_kernels
+    monkeypatch.setattr(cpu_kernels, 'levels_here', lambda: ['generic'])
+    monkeypatch.setattr(cpu_kernels, 'build', lambda levels: pytest.fail("built"))
+    assert main(['build', '--levels', 'avx2']) == 2
+    out, err = capsys.readouterr()
+    assert err == "clfast build: this CPU runs levels generic, not avx2\n" and out == ''
+    with pytest.raises(SystemExit): main(['build', '--levels', 'avx3'])
+    assert "argument --levels: invalid choice: 'avx3'" in capsys.readouterr().err

@@ -160,6 +160,13 @@ def test_a_decision_is_this_processs_at_the_thread_count_it_runs_now(tmp_path, m
             answers.append(premise('test_threads', probe))
     finally: torch.set_num_threads(threads)
     assert answers == [False, True, False, True] and probed == [4, 1]
+    # `clfast check`'s report names its thread count, and the others the cache holds decisions at (it said "none yet")
+    try:
+        torch.set_num_threads(3)
+        head = timing.report().splitlines()[:3]
+    finally: torch.set_num_threads(threads)
+    assert 'on this machine at 3 threads' in head[0] and '(also cached at 1, 4 threads: OMP_NUM_THREADS=1 ' in head[1]
+    assert head[2].endswith('none yet: each is measured when first needed'), head
 
 # a decision timed beside a busy loop on each core (the machine's others' load), then held until told to end
 _LOADED_CHILD = textwrap.dedent('''

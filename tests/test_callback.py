@@ -426,11 +426,16 @@ def test_export_after_a_fit_given_channels_last_writes_contiguous_weights(tmp_pa
     assert not any(isinstance(c, ChannelsLast) for c in learn.cbs)
     w = learn.model[0][0].weight
     assert is_channels_last(w) and 'Fused' in type(learn.model[0][0]).__name__
-    learn.export('export.pkl')
-    assert learn.model[0][0].weight is w and is_channels_last(w)
-    exported = torch.load(tmp_path/'export.pkl', weights_only=False).model
-    convs = [m for m in exported.modules() if isinstance(m, nn.Conv2d)]
-    assert convs and all(type(m) is nn.Conv2d and m.weight.is_contiguous() for m in convs)
+    # and a model partly channels-last (a block put in since, contiguous): written contiguous, left as it was
+    w2 = learn.model[1][0].weight
+    for fname in ('export.pkl', 'partly.pkl'):
+        if fname == 'partly.pkl': w2.data = w2.data.contiguous()
+        learn.export(fname)
+        assert learn.model[0][0].weight is w and is_channels_last(w)
+        assert is_channels_last(w2) == (fname == 'export.pkl') and w2.is_contiguous() == (fname == 'partly.pkl')
+        exported = torch.load(tmp_path/fname, weights_only=False).model
+        convs = [m for m in exported.modules() if isinstance(m, nn.Conv2d)]
+        assert len(convs) == 2 and all(type(m) is nn.Conv2d and m.weight.is_contiguous() for m in convs)
 
 def test_a_failed_export_leaves_the_learner_as_it_was(tmp_path):
     "Saving fails (a folder that does not exist): the learner keeps its data and optimizer state (fastai's export left them emptied: the next fit logged nan) and trains on"

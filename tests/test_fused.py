@@ -266,6 +266,20 @@ def test_torch_compile_fullgraph(mode):
     torch.testing.assert_close(f.bn.running_var, g.bn.running_var)
     assert f.bn.num_batches_tracked == g.bn.num_batches_tracked == 1
 
+@pytest.mark.parametrize('train', [True, False])
+def test_a_compiled_fused_layer_records_clfast_op(train):
+    """torch.compile's graph of a fused layer calls clfast's op (not the stock modules, as `torch.jit.trace` and
+    `torch.export` record): torch 2.11's dynamo answers `torch.compiler.is_exporting()` True in any compile, and the
+    compiled layer ran its stock modules there"""
+    torch._dynamo.reset()
+    seen = []
+    def backend(gm, inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == 'call_function')
+        return gm.forward
+    f = FusedConvBN2d(4, 8, 3, padding=1, act='relu').train(train)
+    torch.compile(f, backend=backend, fullgraph=True)(torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last))
+    assert any('clfast' in t for t in seen) and not any('batch_norm' in t for t in seen), seen
+
 @pytest.mark.isa_neutral   # dynamo's tracing (the op inside compiled graphs runs at each level in test_torch_compile_fullgraph); 8 s a level, inductor compiling afresh
 def test_torch_compile_fullgraph_where_autocast_availability_is_untraceable(monkeypatch):
     """torch 2.11's torch.compile cannot trace `torch.amp.is_autocast_available` (2.14's can): each fused layer's graph

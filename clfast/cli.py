@@ -79,7 +79,7 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument('--seed', type=int, default=42, help="random seed of both runs")
     return p
 
-# %% ../nbs/90_cli.ipynb #06aff78f
+# %% ../nbs/90_cli.ipynb #504a7a81
 def audit_models_parser() -> argparse.ArgumentParser:
     "Options of `clfast audit-models`"
     p = _parser('clfast audit-models', "Audit torchvision and timm models (random weights, CPU, train mode, forward and "
@@ -96,7 +96,8 @@ def bench_parser() -> argparse.ArgumentParser:
     "Options of `clfast bench`"
     p = _parser('clfast bench', "Train a timm or torchvision classifier (random weights) on random images in each setup "
                 "(contiguous fp32; channels-last in each precision that is fast here x fuse off/speed/memory), setups "
-                "taking turns, and print speed, memory and loss drift against contiguous fp32.")
+                "taking turns, and print speed, memory and each setup's first-step gradient error against fp64 (what it is "
+                "judged on), beside its precision's stock setup's.")
     p.add_argument('--arch', required=True, type=classifier_name,
                    help="a torchvision or timm model name, e.g. resnet50, efficientnet_b0 (torchvision's where both have it)")
     p.add_argument('--bs', type=positive_int, default=16, help="batch size")

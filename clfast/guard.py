@@ -18,10 +18,10 @@ from .routes import (MeasuredKernel, SHORT_INPUT_WGRAD, SLOW_BF16_BACKWARD, SLOW
                            may_meet_narrow_map, dilates_a_size_one_dim)
 
 # %% auto #0
-__all__ = ['CHECK_CACHE', 'IMPRECISE_CL_BATCH_NORM', 'MEASURED_KERNELS', 'guard_plan', 'unguard_model', 'model_device',
-           'guard_model', 'guard_report']
+__all__ = ['CHECK_CACHE', 'KERNEL_FAILURES', 'IMPRECISE_CL_BATCH_NORM', 'MEASURED_KERNELS', 'guard_plan', 'unguard_model',
+           'model_device', 'guard_model', 'guard_report']
 
-# %% ../nbs/05_guard.ipynb #0b7b80a5
+# %% ../nbs/05_guard.ipynb #951b4558
 CHECK_CACHE = 'numerics_check'   # the `MachineCache` of `check_channelslast`'s results
 
 def _conv_params(conv:nn.Conv2d) -> dict:
@@ -31,9 +31,12 @@ def _conv_params(conv:nn.Conv2d) -> dict:
                 padding=pad, dilation=list(conv.dilation), groups=conv.groups, bias=conv.bias is not None,
                 padding_mode=conv.padding_mode)
 
+KERNEL_FAILURES = ('wrong', 'crashed', 'timeout')   # a check's verdicts on a kernel ('error': the check's own failure)
+
 def _checked_failures() -> list[dict]:
-    "Conv parameters `check_channelslast` found wrong on this machine (any input size or precision)"
-    return [r['conv'] for r in MachineCache(CHECK_CACHE).entries().values() if isinstance(r, dict) and r.get('status') != 'ok' and 'conv' in r]
+    "Conv parameters `check_channelslast` found wrong on this machine (any input size), each with the precision it failed in"
+    return [dict(r['conv'], precision=r.get('precision', 'float32')) for r in MachineCache(CHECK_CACHE).entries().values()
+            if isinstance(r, dict) and r.get('status') in KERNEL_FAILURES and 'conv' in r]
 
 def guard_plan(conv:nn.Module, failures:list|None=None, isa:str|None=None):
     "The plan `(workaround, backward_only, why)` for `conv` on this machine (oneDNN's `isa`: `onednn_isa()`), or None when it needs no guard"
@@ -43,9 +46,15 @@ def guard_plan(conv:nn.Module, failures:list|None=None, isa:str|None=None):
     bad = bad_kernels_for(conv, isa)
     if bad: return GuardPlan(bad[0].workaround if _zero_padding(conv) else 'contiguous', bad[0].backward_only, bad[0].reference)
     failures = _checked_failures() if failures is None else failures
-    if failures and _conv_params(conv) in failures:
-        how = 'subsample' if tuple(conv.kernel_size) == (1, 1) and _zero_padding(conv) and max(conv.stride) > 1 else 'contiguous'
-        return GuardPlan(how, False, f"clfast check_channelslast found this conv wrong on this machine ({MachineCache(CHECK_CACHE).path})")
+    params = _conv_params(conv)
+    found = [f.get('precision', 'float32') for f in failures if {k: v for k, v in f.items() if k != 'precision'} == params]
+    if found:
+        # in half precision the contiguous kernel may be as wrong as the channels-last one (a narrow map's in bf16
+        # was): computed in fp32 instead, on contiguous copies; in fp32 the contiguous or subsampled conv
+        how = ('fp32' if any(p != 'float32' for p in found) else 'subsample' if tuple(conv.kernel_size) == (1, 1)
+               and _zero_padding(conv) and max(conv.stride) > 1 else 'contiguous')
+        return GuardPlan(how, False, f"clfast check_channelslast found this conv wrong on this machine "
+                                     f"({', '.join(sorted(set(found)))}; {MachineCache(CHECK_CACHE).path})")
     return None
 
 # %% ../nbs/05_guard.ipynb #8648c76a

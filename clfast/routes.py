@@ -279,7 +279,7 @@ def takes_pointwise_product(conv:nn.Module, x:Tensor) -> bool:
     alike: a CPU input of 1x1 maps, where the conv measured slower here (not while compiling: inductor decides)"""
     return on_pointwise_maps(conv, x) and not torch.compiler.is_compiling() and SLOW_POINTWISE_MAPS.present()
 
-# %% ../nbs/04c_routes.ipynb #c8bb6642
+# %% ../nbs/04c_routes.ipynb #af974729
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 def output_width(conv:nn.Conv2d, width:int) -> int:
@@ -372,7 +372,8 @@ def conv_in_fp32(conv:nn.Conv2d, x:Tensor, weight:Tensor, bias:Tensor|None) -> T
     "`conv(x)` under the `'fp32'` plan: in fp32 on nchw copies of what autocast hands the stock conv, the output rounded back to its dtype and to the stock conv's layout (gradients likewise, through the casts)"
     x, weight, bias = autocast_cast(x, weight, bias, dev=x.device.type)
     channels_last = torch.channels_last in (suggest_memory_format(x), suggest_memory_format(weight))
-    wide = lambda t: None if t is None else t.to(torch.float32, memory_format=torch.contiguous_format)   # (a copy: new strides)
+    # (a copy: new strides; float64 stays so: a plan stored for a conv failing in half precision also serves fp64 models)
+    wide = lambda t: None if t is None else t.to(torch.promote_types(t.dtype, torch.float32), memory_format=torch.contiguous_format)
     with no_autocast(x.device.type):
         out = _stock_conv(conv, wide(x), wide(weight), wide(bias)).to(x.dtype)
     return out.contiguous(memory_format=torch.channels_last) if channels_last else out

@@ -131,3 +131,15 @@ def test_build_names_a_level_it_cannot_build_in_one_line(monkeypatch, capsys):
     assert err == "clfast build: this CPU runs levels generic, not avx2\n" and out == ''
     with pytest.raises(SystemExit): main(['build', '--levels', 'avx3'])
     assert "argument --levels: invalid choice: 'avx3'" in capsys.readouterr().err
+
+def test_check_takes_its_channels_and_says_what_a_model_cannot_take(tmp_path, monkeypatch, capsys):
+    """`clfast check --channels 1` builds a timm model for one channel (it never could: the model kept 3) and refuses a
+    torchvision one in a line; a model that cannot run at `--size` is a line and exit 2 (a traceback and exit 1,
+    the exit of a failing conv)"""
+    monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
+    assert main(['check', '--arch', 'mobilenetv3_small_050', '--size', '32', '--channels', '1']) == 0
+    assert 'mobilenetv3_small_050 at 32px, float32:' in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"torchvision's resnet18 takes 3 input channels, not --channels 1"):
+        main(['check', '--arch', 'resnet18', '--channels', '1'])
+    assert main(['check', '--arch', 'inception_v3', '--size', '32']) == 2
+    assert "clfast check: inception_v3 cannot run on a 3x32x32 input:" in capsys.readouterr().err

@@ -566,10 +566,13 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv('CLFAST_CACHE_DIR', str(tmp_path))
     return tmp_path
 
-def test_check_finds_the_avx2_bug_and_guards_it(cache_dir, monkeypatch):
+def test_check_finds_the_avx2_bug_and_guards_it(cache_dir, monkeypatch, request):
     "With oneDNN capped at AVX2 in the child, the check flags the thin 1x1 stride-2 stem (wrong or crashed); one warning names it"
     if not X86: pytest.skip("needs x86")
+    from clfast.machine import isa_env
     monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX2')
+    isa_env.cache_clear()   # as a process started with it: the child runs at this cap, which the cache key names
+    request.addfinalizer(isa_env.cache_clear)   # (read again once the environment is put back)
     monkeypatch.setattr(bad_kernels, 'KNOWN_BAD_KERNELS', ())   # as if the table did not know this bug
     learn = thin_stem_learner(2, size=8)
     with warnings.catch_warnings(record=True) as w:
@@ -609,7 +612,7 @@ def test_check_crash_or_hang_is_a_finding(cache_dir, monkeypatch, failure, statu
     "A child that dies or hangs on a geometry marks that geometry failing (and guarded), within the time bound"
     code = f'''
 import json, sys
-cases = json.load(sys.stdin)
+threads, cases = json.load(sys.stdin)
 for key, conv, hw, precision in cases:
     print(json.dumps(dict(key=key, started=True)), flush=True)
     if conv['k'] == [1, 1]: {failure}
@@ -628,6 +631,48 @@ for key, conv, hw, precision in cases:
     longer = check.check_channelslast(net, torch.randn(2, 3, 8, 8), timeout=5)
     assert list(longer.status) == ['ok', status if status == 'crashed' else 'ok', 'ok']
     assert list(longer.cached) == [True, status == 'crashed', True]
+
+def test_check_a_valid_padded_conv_is_checked_not_an_error(cache_dir):
+    "A conv with padding='valid' is checked against fp64 (its padding read as a pair each side: it raised in the check's harness, and was called wrong and guarded for good)"
+    from clfast.guard import _conv_params
+    assert check.conv_numerics(_conv_params(nn.Conv2d(3, 8, 3, padding='valid')), [8, 8])['status'] == 'ok'
+
+def test_check_only_a_kernels_verdict_guards_and_half_precision_failures_compute_in_fp32(cache_dir, monkeypatch):
+    """A row the check could not compute ('error': its own failure) guards nothing; a conv found wrong in bf16 runs in
+    fp32 (its contiguous bf16 kernel may be as wrong: a narrow map's was, 1e31 off fp64 in training), at fp64's
+    precision for fp32, bf16's in bf16"""
+    from clfast.guard import _conv_params, guard_plan
+    conv = nn.Conv2d(4, 6, 3, padding=1)
+    cache = MachineCache(CHECK_CACHE)
+    cache.update({'a': dict(status='error', conv=_conv_params(conv), precision='float32')})
+    assert guard_plan(conv) is None
+    cache.update({'b': dict(status='wrong', conv=_conv_params(conv), precision='bfloat16')})
+    assert guard_plan(conv).workaround == 'fp32'
+    net = nn.Sequential(conv).to(memory_format=torch.channels_last)
+    guard_model(net)
+    x = torch.randn(2, 4, 5, 5).to(memory_format=torch.channels_last)
+    ref = torch.nn.functional.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
+    rel = lambda a: ((a.double() - ref).norm() / ref.norm()).item()
+    assert rel(net(x)) < 1e-6
+    with torch.autocast('cpu', dtype=torch.bfloat16): out = net(x)
+    assert out.dtype == torch.bfloat16 and rel(out) < 2e-2
+
+@pytest.mark.isa_neutral
+def test_check_child_runs_at_the_thread_count_and_caps_its_cache_key_names(cache_dir, monkeypatch):
+    """The child checks at this process's thread count and instruction-set caps, which its verdicts' cache key names
+    (it took torch's default count, and caps set in the environment since, which the key did not say: a kernel that
+    corrupts memory on 1 thread passed at 2 and was cached for 1)"""
+    from clfast.machine import isa_env
+    code = ("import os, torch, clfast.check as c; c.conv_numerics = lambda *a: dict(status='ok', error=0.0, "
+            "worst=f\"{torch.get_num_threads()} {os.environ.get('ONEDNN_MAX_CPU_ISA')}\"); c.check_worker()")
+    monkeypatch.setattr(check, '_CHILD', [sys.executable, '-c', code])
+    isa_env()   # read once, as at this process's first kernel
+    monkeypatch.setenv('ONEDNN_MAX_CPU_ISA', 'AVX2')   # set since: not this process's cap
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try: table = check.check_geometries(check.conv_geometries(nn.Conv2d(3, 4, 3), torch.randn(2, 3, 6, 6)))
+    finally: torch.set_num_threads(threads)
+    assert list(table.worst) == [f"1 {isa_env().get('ONEDNN_MAX_CPU_ISA')}"]
 
 @pytest.mark.isa_neutral
 @pytest.mark.parametrize('failure,why', [('import no_such_module', r"died \(exit 1: ModuleNotFoundError"),
@@ -668,7 +713,7 @@ def test_check_child_output_on_stdout_is_not_its_protocol(cache_dir, monkeypatch
 def test_check_interrupted_leaves_no_child(cache_dir, monkeypatch):
     """A KeyboardInterrupt (Jupyter's interrupt reaches the kernel only) while the child runs a case kills the child: it
     used to go on, hung or computing, after the check had ended"""
-    code = 'import json, sys, time\nkey = json.load(sys.stdin)[0][0]\nprint(json.dumps(dict(key=key, started=True)), flush=True)\ntime.sleep(600)'
+    code = 'import json, sys, time\nkey = json.load(sys.stdin)[1][0][0]\nprint(json.dumps(dict(key=key, started=True)), flush=True)\ntime.sleep(600)'
     monkeypatch.setattr(check, '_CHILD', [sys.executable, '-c', code])
     procs, real_popen, real_select = [], check.subprocess.Popen, check.select.select
     def popen(*a, **k):

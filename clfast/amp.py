@@ -198,7 +198,7 @@ def _check_scaler_kwargs(kwargs:dict) -> dict:
         if not ok(v): raise ValueError(f"MixedPrecision: GradScaler's {k}={v!r} must be {what}")
     return kwargs
 
-# %% ../nbs/01_amp.ipynb #2416b6a1
+# %% ../nbs/01_amp.ipynb #1a86ee1b
 @delegates(GradScaler)
 class MixedPrecision(_StateDefaults, Callback):
     "Mixed precision training with PyTorch AMP on CUDA, CPU and MPS; same arguments as fastai's `MixedPrecision`"
@@ -246,7 +246,10 @@ class MixedPrecision(_StateDefaults, Callback):
         if getattr(self, '_in_autocast', False): self.autocast.__exit__(None, None, None)
         self._in_autocast = False
 
-    def before_batch(self): self.autocast.__enter__(); self._in_autocast = True
+    def before_batch(self):
+        # outside a fit (`get_preds(inner=True)`, which runs no `before_fit`): the autocast a fit would enter
+        if self.autocast is None: self.autocast = self.fit_autocast()
+        self.autocast.__enter__(); self._in_autocast = True
     def after_pred(self): self.learn.pred = to_float(self.pred)
     def after_loss(self): self._exit_autocast()
     def before_backward(self): self.learn.loss_grad = self.scaler.scale(self.loss_grad)

@@ -151,7 +151,7 @@ def _param_format(t:Tensor, channels_last:bool):
     if not channels_last or cl_format(t) is None: return t.contiguous()
     return t.contiguous(memory_format=cl_format(t))
 
-# %% ../nbs/00_core.ipynb #97616751
+# %% ../nbs/00_core.ipynb #775e9438
 def _in_format(model:nn.Module, channels_last:bool) -> bool:
     """Whether `model_to` would leave every parameter, gradient and buffer of `model` as it is. Read off each module's
     own dicts: through `parameters()` and `buffers()` the check took 0.5 ms on resnet50, 0.2 ms so"""
@@ -171,7 +171,10 @@ def model_to(model:nn.Module, channels_last:bool=True) -> nn.Module:
     # already so (`ChannelsLast` converts at every fit and validation, fastai's `predict` included): `_apply` would
     # rebuild nothing, in milliseconds of Python over every module (resnet50)
     if _in_format(model, channels_last): return model
-    return model._apply(lambda t: _param_format(t, channels_last) if not is_lazy(t) and cl_format(t) is not None else t)
+    # normal tensors under `torch.inference_mode()` too (fastai's `predict` in it converts before a first fit): made
+    # there, the weights would be inference tensors for good, and a later fit fails ("cannot be saved for backward")
+    with torch.inference_mode(False):
+        return model._apply(lambda t: _param_format(t, channels_last) if not is_lazy(t) and cl_format(t) is not None else t)
 
 def has_unrun_lazy(model:nn.Module) -> bool:
     "Whether `model` has a lazy module (`nn.LazyConv2d`, `nn.LazyBatchNorm2d`, ...) not yet run, whose parameters have no shape yet"
@@ -194,14 +197,15 @@ def _opt_states(opt):
     opt = getattr(opt, 'opt', opt)   # OptimWrapper wraps a torch optimizer
     return list(getattr(opt, 'state', {}).items())
 
-# %% ../nbs/00_core.ipynb #2b7e96a2
+# %% ../nbs/00_core.ipynb #202900a2
 def opt_state_to(opt, channels_last:bool=True):
     "Convert optimizer state tensors shaped like their parameter (momentum, Adam moments) to match the model's format"
     if opt is None: return opt
-    for p, state in _opt_states(opt):
-        for k, v in state.items():
-            if isinstance(v, Tensor) and cl_format(v) is not None and v.shape == p.shape:
-                state[k] = _param_format(v, channels_last)
+    with torch.inference_mode(False):   # (as `model_to`'s: state the next step updates in place)
+        for p, state in _opt_states(opt):
+            for k, v in state.items():
+                if isinstance(v, Tensor) and cl_format(v) is not None and v.shape == p.shape:
+                    state[k] = _param_format(v, channels_last)
     return opt
 
 # %% ../nbs/00_core.ipynb #e51d766e

@@ -46,7 +46,7 @@ def conv_geometry(conv:nn.Conv2d) -> ConvGeometry|None:
     # (1 along a kernel dimension of size 1: the same conv, and one stock PyTorch can crash on otherwise: `effective_dilation`)
     return ConvGeometry(tuple(conv.stride), tuple(pad), effective_dilation(conv), conv.groups)
 
-# %% ../nbs/23_fused.ipynb #f4b09303
+# %% ../nbs/23_fused.ipynb #98932194
 def conv_bn_act(x:Tensor, conv:nn.Conv2d, bn:nn.BatchNorm2d, residual:Tensor|None=None, act:str|nn.Module|bool|None=None,
                 act_param:float=0., mode:str='speed') -> Tensor:
     "`act(bn(conv(x)) + residual)` as one fused op, updating `bn`'s running statistics like the stock module"
@@ -77,6 +77,9 @@ def _fused_layer(x:Tensor, conv:nn.Conv2d, bn:nn.Module, residual:Tensor|None, a
     repeat); `remember`: `conv`, where its output is saved as a recipe (`clfast.recompute`; `keep_y` then True)"""
     dev, w, b = x.device.type, conv.weight, conv.bias
     if autocast_on(dev): x, w, b, residual = autocast_cast(x, w, b, residual, dev=dev)
+    elif x.dtype != w.dtype:   # the stock conv's error, and its type (the op's ValueError named clfast's internals)
+        raise RuntimeError(f"Input type ({x.dtype}) and weight type ({w.dtype}) should be the same: cast the input to "
+                           "the model's dtype, or run it under autocast")
     # a CPU conv that would reach a known-bad stock kernel runs as `clfast.guard` says (its plan is set by `guard_model`),
     # and so does one whose input is too short for ATen's fast channels-last weight gradient (`short_input_plan`); a
     # GPU's convs have no route, and its layer step no Python for one

@@ -448,3 +448,27 @@ def test_a_failed_export_leaves_the_learner_as_it_was(tmp_path):
     for k, v in learn.opt.state_dict()['state'][0].items(): assert torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k], k
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     assert all(math.isfinite(v) for v in learn.recorder.values[-1])
+
+def test_a_predict_under_inference_mode_before_the_first_fit_leaves_normal_weights():
+    """fastai's `predict` under `torch.inference_mode()` before any fit converts the model there: its weights were made
+    inference tensors for good, and the next fp32 fit failed ("Inference tensors cannot be saved for backward")"""
+    learn = datasets_learner().to_channelslast(use_amp=False)
+    with torch.inference_mode(): learn.predict(learn.dls.valid_ds[0][0])
+    assert not any(p.is_inference() for p in learn.model.parameters())
+    assert all(is_channels_last(p) for p in learn.model.parameters() if p.dim() == 4)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert all(math.isfinite(v) for v in learn.recorder.values[-1])
+
+def test_inner_get_preds_outside_a_fit_autocasts_as_a_fit_would():
+    "`get_preds(inner=True)` runs no `before_fit`: MixedPrecision's batches autocast as a fit's would (it raised on its missing autocast)"
+    learn = datasets_learner().to_channelslast(amp_mode='bf16')
+    seen = []
+    h = learn.model.register_forward_pre_hook(lambda m, a: seen.append(torch.is_autocast_enabled('cpu')))
+    try:
+        with learn.removed_cbs(learn.recorder): inner, _ = learn.get_preds(dl=learn.dls.valid, inner=True)   # (fastai's Recorder needs a fit)
+    finally: h.remove()
+    outer, _ = learn.get_preds(dl=learn.dls.valid)
+    assert torch.equal(inner, outer)   # (the same batches, the same autocast)
+    assert seen and all(seen) == (learn.mixed_precision.fit_autocast().fast_dtype == torch.bfloat16 and
+                                   learn.mixed_precision.fit_autocast()._enabled)
+    assert not torch.is_autocast_enabled('cpu')

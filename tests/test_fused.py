@@ -621,3 +621,10 @@ def test_dilation_on_a_size_one_kernel_dimension(way, mode, bf16, tmp_path):
     # that mean exactly at ATen's default level (error 0) and does not at AVX-512's (1.1e-6); the fused layer read
     # 1.9e-6 and 2.7e-6 there: the floor is that amplified rounding, not a precision difference
     assert err <= 3 * stock_err + 1e-5, (err, stock_err)
+
+def test_a_fused_layer_of_another_dtype_than_its_input_raises_as_the_stock_conv():
+    "A bf16 fused model given fp32 input outside autocast: the stock conv's RuntimeError (the op's ValueError named clfast's internals)"
+    f = FusedConvBN2d(3, 4, 3, padding=1).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"Input type \(torch.float32\) and weight type \(torch.bfloat16\) should be the same"):
+        f(torch.randn(2, 3, 5, 5))
+    with pytest.raises(RuntimeError): nn.Conv2d(3, 4, 3).to(torch.bfloat16)(torch.randn(2, 3, 5, 5))   # stock's type

@@ -271,7 +271,7 @@ def check_channelslast(self:Learner, n:int=2, timeout:float=60, guard:bool=True)
     xb, _ = _train_batches(self, 1)[0]
     return check_channelslast(self.model, *xb, precision=_learner_precision(self), n=n, timeout=timeout, guard=guard)
 
-# %% ../nbs/06_check.ipynb #990c92a3
+# %% ../nbs/06_check.ipynb #a806b19e
 def main(a:argparse.Namespace):
     "`clfast check`, given its options (`clfast.cli.check_parser`): the timed decisions, and the numerics self-check of a timm/torchvision model's convs on this machine"
     print(report())
@@ -281,15 +281,18 @@ def main(a:argparse.Namespace):
         raise SystemExit(f"clfast check: torchvision's {a.arch} takes 3 input channels, not --channels {a.channels} "
                          "(timm's models take any: `timm.create_model(..., in_chans=N)`)")
     model = create_model(a.arch, **({} if a.channels == 3 else dict(in_chans=a.channels)))
-    t0 = time.perf_counter()
+    t0, x = time.perf_counter(), torch.randn(2, a.channels, a.size, a.size)
+    # the model's convs at this input (cached: the check reads them again for nothing): where the model refuses it (a
+    # size too small for it), one line and exit 2, not a traceback and exit 1, a failing conv's
+    try: _cached_geometries(model, x)
+    except RuntimeError as e:
+        print(f"clfast check: {a.arch} cannot run on a {a.channels}x{a.size}x{a.size} input: {str(e).splitlines()[0][:200]}",
+              file=sys.stderr)
+        return 2
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always', ClfastWarning)
-        try: table = check_channelslast(model, torch.randn(2, a.channels, a.size, a.size), precision=a.precision, timeout=a.timeout)
+        try: table = check_channelslast(model, x, precision=a.precision, timeout=a.timeout)
         except CheckNotStarted as e: raise SystemExit(f"clfast check: {e}") from None   # what to do, not a traceback
-        except RuntimeError as e:   # the model refuses the input (a size too small for it): one line, not exit 1's "a conv failed"
-            print(f"clfast check: {a.arch} cannot run on a {a.channels}x{a.size}x{a.size} input: {str(e).splitlines()[0][:200]}",
-                  file=sys.stderr)
-            return 2
     print(table.drop(columns=['precision']).to_string(index=False, max_colwidth=48))
     bad = int(table.status.isin(KERNEL_FAILURES).sum())
     print(f"\n{a.arch} at {a.size}px, {a.precision}: {len(table)} conv geometries, {bad} failing, "

@@ -15,7 +15,7 @@ from .reference import acc_dtype
 # %% auto #0
 __all__ = ['synchronizes', 'gloo_serves_cpu']
 
-# %% ../nbs/21_syncstats.ipynb #75d5404b
+# %% ../nbs/21_syncstats.ipynb #ebd63ee0
 def synchronizes(pg) -> bool:
     """Whether a BN whose process group is `pg` synchronizes: `SyncBatchNorm`'s rule, more than one rank. Not on a rank
     outside `pg` (`new_group` gave it `GroupMember.NON_GROUP_MEMBER`, whose size torch gives as -1): PyTorch's
@@ -127,6 +127,18 @@ def _synced_stats(y:Tensor, group:str) -> tuple[Tensor, Tensor, Tensor]:
     mean = (n_r * mean_r).sum(0) / per
     var = (n_r * (var_r + (mean_r - mean) ** 2)).sum(0) / per
     return mean.to(acc), var.to(acc), n
+
+def _synced_running_rows(params:Tensor, count:Tensor, running_mean:Tensor|None, running_var:Tensor|None):
+    """`params`' rows as the running update takes them after a synchronized step, in place: row 4, the variance,
+    unbiased with every rank's `count` (backward reads rows 0-3); where no rank had a value (every batch empty), rows
+    0 and 4 the running statistics themselves (given where the step updates them), which the update's `lerp` then
+    leaves as they were, as BatchNorm leaves them on an empty batch (0/0 made them NaN for good). On the statistics'
+    device: no host sync. One rule for the C++ node and the Python one (`clfast::synced_running_rows`)"""
+    params[4].mul_(count / (count - 1).clamp_min(1))
+    if running_mean is not None and running_var is not None:
+        none = count == 0
+        params[0].copy_(torch.where(none, running_mean, params[0]))
+        params[4].copy_(torch.where(none, running_var, params[4]))
 
 def _synced_grad_means(sum_dz:Tensor, sum_dzx:Tensor, y:Tensor, group:str) -> Tensor:
     "`[2, C]`: `sum(dz)` and `sum(dz*xhat)` summed over the ranks of `group`, divided by their total count"

@@ -5,8 +5,8 @@
 // conv_bn_act.cpp; CUDA: Triton, Meta: fakes, any other device: the pure-PyTorch reference, from ops.py); the node
 // also updates BatchNorm's running statistics (`clfast::update_running`). Whatever traces (torch.compile, export)
 // sees the kernel ops.
-// Synchronized statistics (a process group's name in `group`) call two Python ops, `clfast::synced_stats` and
-// `clfast::synced_grad_means` (clfast/syncstats.py: the collectives).
+// Synchronized statistics (a process group's name in `group`) call three Python ops, `clfast::synced_stats`,
+// `clfast::synced_running_rows` and `clfast::synced_grad_means` (clfast/syncstats.py: the collectives).
 // Why C++: between a module's forward and the kernels there is no Python, in either direction. The Python autograd
 // formula this replaced cost about 110 us per layer forward + backward: more than the BatchNorm kernels at
 // efficientnet_b0's late shapes, and 2-15% of a whole resnet50/efficientnet_b0 step (BENCHMARKS.md).
@@ -82,6 +82,12 @@ Tensors6 layer_bwd(const Tensor& dout, const Tensor& x, const OptTensor& weight,
 Tensors3 synced_stats(const Tensor& y, const std::string& group) {
   static const auto k = op<Tensors3(const Tensor&, c10::string_view)>("clfast::synced_stats");
   return k.call(y, group);
+}
+
+void synced_running_rows(const Tensor& params, const Tensor& count, const OptTensor& mean, const OptTensor& var) {
+  static const auto k = op<void(const Tensor&, const Tensor&, const OptTensor&, const OptTensor&)>(
+      "clfast::synced_running_rows");
+  k.call(params, count, mean, var);
 }
 
 Tensor synced_grad_means(const Tensor& sum_dz, const Tensor& sum_dzx, const Tensor& y, const std::string& group) {
@@ -188,15 +194,10 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
         auto [mean_all, var_all, count] = synced_stats(y_here, group);
         std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean_all, var_all, g, eps,
                                              act, act_param, keep_y, y_here);
-        // row 4, the variance the running average takes, unbiased with every rank's count (backward reads rows 0-3)
-        params.select(0, 4).mul_(count / (count - 1).clamp_min(1));
-        if (running.update && given(running.mean) && given(running.var)) {
-          // no rank had a value (every batch empty): the update lerps the running statistics to themselves, as
-          // BatchNorm leaves them on an empty batch (0/0 made them NaN for good); on their device, no host sync
-          const Tensor none = count.eq(0);
-          params.select(0, 0).copy_(at::where(none, *running.mean, params.select(0, 0)));
-          params.select(0, 4).copy_(at::where(none, *running.var, params.select(0, 4)));
-        }
+        // rows 0 and 4 as the running update takes them (row 4 unbiased with every rank's count; every batch empty:
+        // the running statistics themselves): one rule, the Python node's too
+        synced_running_rows(params, count, running.update ? running.mean : OptTensor(),
+                            running.update ? running.var : OptTensor());
       } else {
         std::tie(out, y, params) = layer_fwd(x, weight, bias, bn_weight, bn_bias, residual, mean, var, g, eps, act,
                                              act_param, keep_y, std::nullopt);

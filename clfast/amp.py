@@ -84,28 +84,32 @@ def cpu_amp_speed(refresh:bool=False) -> dict:
         res[dtype] = probe.ratio if probe.faster is not None else math.nan
     return res
 
-# %% ../nbs/01_amp.ipynb #dd580a9e
+# %% ../nbs/01_amp.ipynb #265a29cf
 def _candidates(dtype) -> tuple:
     "The half dtypes asking for `dtype` may train in, in order, before fp32: fp16 falls back to bf16"
     return (dtype, torch.bfloat16) if dtype == torch.float16 else (dtype,)
 
-def _cpu_why(dtype, speed) -> str:
-    r = speed.get(dtype, math.inf)
+def _one_why(dtype, r) -> str:
     name = _DTYPE_NAMES[dtype]
-    cands = _candidates(dtype)
-    if all(math.isinf(speed.get(d, math.inf)) for d in cands):   # it, and what it would fall back to, emulated
-        return (f"this CPU has no native {' or '.join(_DTYPE_NAMES[d] for d in cands)} (oneDNN would emulate "
-                f"{'them' if len(cands) > 1 else 'it'}, several times slower than fp32)")
     if math.isinf(r): return f"this CPU has no native {name} (oneDNN would emulate it, several times slower than fp32)"
     if math.isnan(r): return (f"{name} is native on this CPU but clfast's probe could not tell its conv training step "
                               f"from fp32's within this machine's noise ({MAX_PAIRS} pairs)")
     return f"{name} is native on this CPU but a conv training step measured {r:.3g}x fp32's time"
 
+def _cpu_why(dtype, speed) -> str:
+    "Why each half dtype tried for `dtype` before the one chosen was passed over (fp16's fallback bf16 named too)"
+    cands, chosen = _candidates(dtype), _cpu_choice(dtype, speed)
+    passed = cands if chosen == torch.float32 else cands[:cands.index(chosen)]
+    if len(passed) > 1 and all(math.isinf(speed.get(d, math.inf)) for d in passed):   # all emulated: one clause
+        return (f"this CPU has no native {' or '.join(_DTYPE_NAMES[d] for d in passed)} (oneDNN would emulate "
+                f"them, several times slower than fp32)")
+    return '; '.join(_one_why(d, speed.get(d, math.inf)) for d in passed)
+
 def _cpu_choice(dtype, speed) -> torch.dtype:
     "The first of `_candidates(dtype)` that is fast here, else fp32"
     return next((d for d in _candidates(dtype) if speed.get(d, math.inf) <= MARGIN), torch.float32)
 
-# %% ../nbs/01_amp.ipynb #7f1b7825
+# %% ../nbs/01_amp.ipynb #312ac3ea
 def resolve_amp(device:torch.device|str, amp_mode:str|AMPMode) -> tuple:
     "The `(dtype, use_scaler, reason)` that `amp_mode` really gives on `device`: on a CPU the fastest of it, bf16 and fp32"
     device, mode = torch.device(device), amp_mode_of(amp_mode)
@@ -120,7 +124,8 @@ def resolve_amp(device:torch.device|str, amp_mode:str|AMPMode) -> tuple:
         if chosen == dtype: return dtype, dtype == torch.float16, ''
         how = (f"bf16 ({speed[chosen]:.3g}x fp32's step time, no loss scaling needed)" if chosen == torch.bfloat16
                else "fp32")
-        hint = " Pass amp_mode='bf16' to ask for it directly." if chosen == torch.bfloat16 else " use_amp=False (or learn.to_fp32()) trains in fp32 without this warning."
+        hint = (" Pass amp_mode='bf16' to ask for it directly." if chosen == torch.bfloat16 else
+                " learn.to_fp32(), or use_amp=False in to_channelslast, trains in fp32 without this warning.")
         # "fp16 mixed precision", not "amp_mode='fp16'": fp16 is also the default that no one asked for
         return chosen, False, f"{mode.value} mixed precision: {_cpu_why(dtype, speed)}, so training in {how} instead.{hint}"
     if device.type == 'mps':

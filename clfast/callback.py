@@ -236,7 +236,7 @@ def to_contiguous(self:Learner,
     if to_fp32: self.to_fp32()
     return self
 
-# %% ../nbs/02_callback.ipynb #ddeabf8a
+# %% ../nbs/02_callback.ipynb #8ee09015
 _fastai_export = getattr(Learner.export, '__wrapped_fastai__', Learner.export)   # fastai's, when reloaded too
 
 def _as_fastai(cb:Callback) -> Callback|None:
@@ -253,13 +253,18 @@ def export(self:Learner, fname='export.pkl', pickle_module=cloudpickle, pickle_p
     theirs = [c for c in map(_as_fastai, ours) if c is not None]
     order, dls, opt = list(self.cbs), self.dls, self.opt
     self.remove_cbs(ours).add_cbs(theirs)
+    # fastai's export loads the optimizer's state into a new one made for the model's parameters: after the file is
+    # written, that failed where the model changed under the optimizer (`fold_conv_bn(..., inplace=True)`). The very
+    # optimizer is put back instead, whatever happens
+    self.opt = None
     # any weight not contiguous: its callback's, a fit's given `ChannelsLast` for that fit alone, a block put in since
     try:
         with model_in_format(self.model, channels_last=False): return _fastai_export(self, fname, pickle_module, pickle_protocol)
-    except BaseException:   # fastai's export empties both while it saves, and puts them back only when saving worked
-        self.dls, self.opt = dls, opt
+    except BaseException:   # fastai's export empties the data while it saves, and puts it back only when saving worked
+        self.dls = dls
         raise
     finally:
+        self.opt = opt
         self.remove_cbs(theirs).add_cbs(ours)
         self.cbs.items.sort(key=order.index)   # as they were
 

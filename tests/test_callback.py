@@ -1,4 +1,4 @@
-import math, sys, warnings, pytest, torch
+import copy, math, sys, warnings, pytest, torch
 from torch import nn
 import fastai.callback.fp16 as fastai_fp16
 import fastai.callback.channelslast as fastai_cl
@@ -448,6 +448,27 @@ def test_a_failed_export_leaves_the_learner_as_it_was(tmp_path):
     for k, v in learn.opt.state_dict()['state'][0].items(): assert torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k], k
     with learn.no_bar(), learn.no_logging(): learn.fit(1)
     assert all(math.isfinite(v) for v in learn.recorder.values[-1])
+
+def test_export_after_a_fold_in_place_writes_and_keeps_the_optimizer(tmp_path):
+    """`fold_conv_bn(learn.model, inplace=True)` then `export`: fastai's export wrote the file, then failed loading the
+    optimizer's state into one made for the folded model's fewer parameters. The file is written and loads as stock
+    modules, and the learner keeps its very optimizer, state and all (an export without a fold too)"""
+    from clfast.fuse import fold_conv_bn
+    learn = datasets_learner(path=tmp_path).to_channelslast(use_amp=False)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    opt = learn.opt
+    learn.export('trained.pkl')
+    assert learn.opt is opt and len(opt.state_dict()['state']) == len(list(learn.model.parameters()))
+    x = learn.dls.one_batch()[0]
+    learn.model.eval()
+    with torch.no_grad(): want = copy.deepcopy(learn.model).double()(x.double())   # the unfolded model in fp64
+    fold_conv_bn(learn.model, inplace=True)
+    learn.export('folded.pkl')
+    assert learn.opt is opt
+    exported = torch.load(tmp_path/'folded.pkl', weights_only=False).model.eval()
+    assert all(type(m) is nn.Conv2d for m in exported.modules() if isinstance(m, nn.Conv2d))
+    with torch.no_grad(): got = exported(x.contiguous()).double()
+    assert (got - want).abs().max() < 1e-4 * want.abs().max(), (got - want).abs().max()
 
 def test_a_predict_under_inference_mode_before_the_first_fit_leaves_normal_weights():
     """fastai's `predict` under `torch.inference_mode()` before any fit converts the model there: its weights were made

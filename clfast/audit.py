@@ -245,9 +245,16 @@ def _scalar(out) -> Tensor:
                                 "pass backward=False to audit the forward only")
     return sum(ts)
 
-# %% ../nbs/10_audit.ipynb #3138731c
+# %% ../nbs/10_audit.ipynb #aa3e8705
+def _outside_autocast() -> contextlib.ExitStack:
+    "Every autocast entered turned off, as in a fit's backward: a mixed-precision callback leaves its autocast at `after_loss`"
+    stack = contextlib.ExitStack()
+    for dev in ('cpu', 'cuda', 'mps', 'xpu'):
+        if torch.is_autocast_enabled(dev): stack.enter_context(torch.autocast(dev, enabled=False))
+    return stack
+
 def audit(model:nn.Module, *inputs, backward:bool=True, strict:bool=False, loss_fn=None) -> ChannelsLastReport:
-    "Run `model(*inputs)` and a backward on `loss_fn(output)` (default: the outputs' sum), recording layout events"
+    "Run `model(*inputs)` and a backward on `loss_fn(output)` (default: the outputs' sum; outside any autocast, as a fit's), recording layout events"
     need_module(model, 'audit', 'learn.audit_channelslast()')
     run_lazy(model, *inputs)   # lazy modules not yet run have no weights to snapshot: shaped before, outside the audit
     names = {n: type(m).__name__ for n, m in model.named_modules()}
@@ -261,7 +268,7 @@ def audit(model:nn.Module, *inputs, backward:bool=True, strict:bool=False, loss_
                 loss = loss_fn(out) if loss_fn is not None else _scalar(out)
                 mode.owners.claim([loss], '(loss)')
                 mode.phase = 'backward'
-                loss.backward()
+                with _outside_autocast(): loss.backward()
     finally:
         for h in handles: h.remove()
         saved.restore()

@@ -369,6 +369,28 @@ def test_learner_audit_runs_in_the_fit_precision(digit_folder, monkeypatch):
     timed = [g for g in r.guarded if g[1] == 'timed backward']
     assert timed and timed == [g for g in audit_cb.report.guarded if g[1] == 'timed backward'], (r, audit_cb.report)
 
+class _AutocastSeen(torch.autograd.Function):
+    "Identity that records whether CPU autocast is on in its forward and in its backward"
+    seen = []
+    @staticmethod
+    def forward(ctx, x): _AutocastSeen.seen.append(('forward', torch.is_autocast_enabled('cpu'))); return x.view_as(x)
+    @staticmethod
+    def backward(ctx, g): _AutocastSeen.seen.append(('backward', torch.is_autocast_enabled('cpu'))); return g
+
+def test_audit_backward_runs_outside_the_autocast():
+    """A fit's backward runs outside autocast (MixedPrecision leaves it at `after_loss`); the audit's ran inside the
+    forward's autocast, so a backward that autocasts (a custom Function's) was audited in another precision. The learner's
+    audit and `ChannelsLastAudit` (inside the fit's autocast) both go through `audit`"""
+    class Net(nn.Sequential):
+        def forward(self, x): return super().forward(_AutocastSeen.apply(x))
+    model = Net(nn.Conv2d(3, 8, 3), nn.ReLU()).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 8, 8, requires_grad=True).to(memory_format=torch.channels_last)
+    _AutocastSeen.seen.clear()
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        audit(model, x)
+        assert torch.is_autocast_enabled('cpu')   # and back on after it
+    assert _AutocastSeen.seen == [('forward', True), ('backward', False)], _AutocastSeen.seen
+
 def test_callback_warns_once():
     learn = make_learner(64).to_channelslast(use_amp=False)
     cb = ChannelsLastAudit()

@@ -283,7 +283,7 @@ class MixedPrecision(_StateDefaults, Callback):
         "Fake optimizer step: `GradScaler` calls it only when gradients are finite"
         self.skipped = False
 
-# %% ../nbs/01_amp.ipynb #51bd2e98
+# %% ../nbs/01_amp.ipynb #d140a36e
 # fastai's own, also when this module is loaded again (`importlib.reload`): wrapping the last wrapper recursed forever
 _fastai_one_batch = getattr(Learner.one_batch, '__wrapped_fastai__', Learner.one_batch)
 
@@ -298,6 +298,21 @@ def one_batch(self:Learner, i, b):
         raise
 
 Learner.one_batch.__wrapped_fastai__ = _fastai_one_batch
+
+_fastai_do_fit = getattr(Learner._do_fit, '__wrapped_fastai__', Learner._do_fit)
+
+@patch
+def _do_fit(self:Learner):
+    try: return _fastai_do_fit(self)
+    except BaseException as e:
+        # the epochs raised (a batch, or between batches: the DataLoader's fetch, a KeyboardInterrupt there, an
+        # `after_epoch`), and fastai calls no `after_fit` but for its `CancelFitException`: clfast's callbacks that hold
+        # state for the length of a fit (CudaGraphs' forward on the model) let go of it
+        for cb in self.cbs:
+            if callable(getattr(type(cb), 'fit_interrupted', None)): cb.fit_interrupted(e)
+        raise
+
+Learner._do_fit.__wrapped_fastai__ = _fastai_do_fit
 
 # %% ../nbs/01_amp.ipynb #323d5763
 import fastai.callback.fp16 as _fastai_fp16

@@ -172,7 +172,15 @@ def _events_given(cbs:list) -> dict:
         res.update({k: getattr(v, '__func__', v) for k, v in given.items()})
     return res
 
-# %% ../nbs/02_callback.ipynb #a323a21c
+# %% ../nbs/02_callback.ipynb #db06d6ae
+def _graphs_cb(if_faster:bool, attached:list) -> CudaGraphs:
+    "The `CudaGraphs` that `to_channelslast(graphs=...)` attaches: an attached one's `max_graphs` kept, and its warm-up where it measured as asked"
+    kept = {}
+    for cb in attached[-1:]:
+        kept['max_graphs'] = cb.max_graphs
+        if cb.if_faster == if_faster: kept['warm'] = cb.warm
+    return CudaGraphs(if_faster=if_faster, **kept)
+
 @patch
 @fastai_signature(Learner.to_channelslast, also=GradScaler)   # fastai's: this patch replaces it just after
 def to_channelslast(self:Learner,
@@ -189,7 +197,7 @@ def to_channelslast(self:Learner,
     _check_flags('to_channelslast', use_amp=use_amp, auto=auto)
     if graphs != 'if_faster' and (isinstance(graphs, str) or graphs not in (True, False)):
         raise ValueError(f"to_channelslast: graphs={graphs!r} must be True, False or 'if_faster'")
-    compile_kwargs(compile)   # its error before anything changes
+    compile_kwargs(compile, self.model)   # its errors before anything changes
     explicit = amp_mode is not None or bool(kwargs)
     if amp_mode is None: amp_mode = AMPMode.FP16
     if graphs and compile not in (None, False):
@@ -202,10 +210,10 @@ def to_channelslast(self:Learner,
         return auto_setup(self)
     amp_mode, fuse = amp_mode_of(amp_mode), fuse_mode(fuse)
     new_amp = MixedPrecision(amp_mode, **kwargs) if use_amp else None   # its arguments checked before anything changes
-    old_cl = _find_cbs(self, fastai_cl.ChannelsLast, ChannelsLast)
-    self.remove_cbs(old_cl + _find_cbs(self, CudaGraphs))
+    old_cl, old_graphs = _find_cbs(self, fastai_cl.ChannelsLast, ChannelsLast), _find_cbs(self, CudaGraphs)
+    self.remove_cbs(old_cl + old_graphs)
     self.add_cb(cl := ChannelsLast(fuse=fuse, **_events_given(old_cl)))   # the user's event functions kept
-    if graphs: self.add_cb(CudaGraphs(if_faster=graphs == 'if_faster'))
+    if graphs: self.add_cb(_graphs_cb(graphs == 'if_faster', old_graphs))
     if fuse: cl.fuse_model()       # now, so that mode switches and `fusion_report` apply at once
     elif is_fused(self.model): unfuse_conv_bn(self.model)
     guard_model(self.model, _model_device(self))   # for where it will train; `before_fit` decides again

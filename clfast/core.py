@@ -238,9 +238,19 @@ def has_conv(model:nn.Module) -> bool:
     "True when `model` has a 2D or 3D convolution (`conv_ranks`)"
     return bool(conv_ranks(model))
 
-# %% ../nbs/00_core.ipynb #c0mp11e1
-def compile_kwargs(how) -> dict|None:
-    "`torch.compile`'s keyword arguments from `how` (True: none; a dict: those), None for None or False; else a clear error, before anything changes"
+# %% ../nbs/00_core.ipynb #80d5c348
+def _compile_wrapper(model:nn.Module) -> bool:
+    "Whether `model` is `torch.compile(m)`'s wrapper (`OptimizedModule`; none can exist before dynamo is imported)"
+    dynamo = sys.modules.get('torch._dynamo.eval_frame')
+    return dynamo is not None and isinstance(model, dynamo.OptimizedModule)
+
+def compile_kwargs(how, model:nn.Module|None=None) -> dict|None:
+    """`torch.compile`'s keyword arguments from `how` (True: none; a dict: those), None for None or False; else a clear
+    error, before anything changes (also where `model`, `torch.compile`'s wrapper, cannot be compiled or undone in place)"""
+    if how is not None and model is not None and _compile_wrapper(model):
+        raise ValueError(f"compile={how!r}: the model is torch.compile's wrapper (OptimizedModule), which clfast can neither "
+                         "compile again nor undo in place: give the learner the module it wraps (`learn.model = "
+                         "learn.model._orig_mod`) and pass compile=True, or leave compile=None to keep it as it is.")
     if how is None or how is False: return None
     if how is True: return {}
     takes = [p for p in inspect.signature(torch.compile).parameters if p != 'model']
@@ -254,11 +264,11 @@ def compile_kwargs(how) -> dict|None:
 
 def compile_model(model:nn.Module, how:bool|dict|None) -> nn.Module:
     "`torch.compile` `model` in place (`nn.Module.compile`: its `state_dict` keys and every reference to it unchanged) if `how` is True or compile's keyword arguments; undo it if False; leave it if None"
-    kwargs = compile_kwargs(how)
+    kwargs = compile_kwargs(how, model)
     if how is False: model._compiled_call_impl = None   # what `nn.Module.compile` sets: torch has no public way back
     elif kwargs is not None: model.compile(**kwargs)
     return model
 
 def is_compiled(model:nn.Module) -> bool:
-    "Whether `model` was compiled in place (`nn.Module.compile`)"
-    return getattr(model, '_compiled_call_impl', None) is not None
+    "Whether `model` was compiled in place (`nn.Module.compile`) or is `torch.compile(m)`'s wrapper"
+    return getattr(model, '_compiled_call_impl', None) is not None or _compile_wrapper(model)

@@ -100,8 +100,90 @@ def test_not_graphable_says_why():
     m[0][1].momentum = None
     assert not_graphable(m) == "module 0.1 is a BatchNorm with momentum=None, which reads its step count on the host"
     m[0][1].momentum = 0.1
+    assert 'compiled' in not_graphable(torch.compile(m))   # the usual `learn.model = torch.compile(m)`: it was let in
     m.compile()
     assert 'compiled' in not_graphable(m)
+
+@pytest.fixture
+def as_on_cuda(monkeypatch):
+    """CudaGraphs puts its forward on a CPU model as on a CUDA one (this machine may have no GPU: what happens around
+    the graphs is the same), with a warm-up no test reaches, so that every step runs eagerly through it"""
+    import clfast.graphs
+    monkeypatch.setattr(clfast.graphs, '_not_on_cuda', lambda model: None)
+    return CudaGraphs(warm=10**6)
+
+def _raises_between_batches(learn, exc):
+    "A fit whose epoch raises `exc` after its batches (as a KeyboardInterrupt in the DataLoader's fetch would, between two)"
+    class Boom(Callback):
+        def after_epoch(self): raise exc('boom')
+    with pytest.raises(exc): _fit(learn, Boom())
+
+def test_a_fit_ended_between_batches_puts_the_models_forward_back(as_on_cuda):
+    """A KeyboardInterrupt in the DataLoader's fetch, an `after_epoch` that raises: fastai calls no `after_fit`, and
+    clfast's `one_batch` saw nothing: the model kept the graphs' forward for good, through later fits without the
+    callback too. A forward set on the model itself before the fit (a library's patch) is the one put back, where the
+    graphs' removal dropped it"""
+    learn = tiny_learner().to_channelslast(use_amp=False)
+    learn.add_cb(as_on_cuda)
+    seen = []
+    class Patched(Callback):
+        def after_pred(self):
+            if self.training: seen.append(isinstance(self.model.__dict__.get('forward'), GraphedForward))
+    _fit(learn, Patched())
+    assert seen and all(seen) and 'forward' not in learn.model.__dict__
+    for exc in (KeyboardInterrupt, RuntimeError):
+        _raises_between_batches(learn, exc)
+        assert 'forward' not in learn.model.__dict__, exc
+    patch = learn.model.forward = lambda x: type(learn.model).forward(learn.model, x) * 2
+    _fit(learn)
+    assert learn.model.__dict__['forward'] is patch
+    _raises_between_batches(learn, KeyboardInterrupt)
+    assert learn.model.__dict__['forward'] is patch
+
+def test_inference_runs_neither_check_nor_reset_the_graphs(as_on_cuda):
+    """fastai runs `validate`, `get_preds` and `summary` as fits without training (their `before_fit` and
+    `after_fit`): they put no graphs on, say nothing (`summary`'s own hooks were said to stop the next fit's graphs,
+    and that being said once, a real hook later was not) and keep the last fit's results"""
+    learn = tiny_learner().to_channelslast(use_amp=False)
+    learn.add_cb(as_on_cuda)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        _fit(learn)
+        as_on_cuda.last_retried = ['a capture that failed once']   # as a GPU's fit may leave it
+        with learn.no_bar():
+            learn.summary(); learn.validate(); learn.get_preds()
+    assert not [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')], _clfast_warnings(rec)
+    assert as_on_cuda.retried == ['a capture that failed once'] and 'forward' not in learn.model.__dict__
+    learn.model[0][0].register_forward_hook(lambda *a: None)   # a hook now: said by the next fit
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter('always')
+        _fit(learn)
+    said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
+    assert len(said) == 1 and said[0].startswith("CudaGraphs: module 0.0 (") and 'has hooks' in said[0], said   # (Conv2d, or the CPU guard's)
+
+def test_one_cudagraphs_at_a_time_and_its_settings_kept():
+    """A second `CudaGraphs` (given to `fit` on a learner with one) would wrap the first's forward and capture its
+    replays: refused before a step. `to_channelslast(graphs=...)` keeps an attached one's `max_graphs` (which its own
+    message says to set) and its warm-up where it measures as asked"""
+    learn = tiny_learner().to_channelslast(use_amp=False, graphs=True)
+    graphs = learn.cuda_graphs
+    with pytest.raises(ValueError, match='2 CudaGraphs callbacks are attached'): _fit(learn, CudaGraphs())
+    assert 'forward' not in learn.model.__dict__ and graphs in learn.cbs
+    graphs.max_graphs, graphs.warm = 3, 6
+    learn.to_channelslast(use_amp=False, graphs=True)
+    assert (learn.cuda_graphs.max_graphs, learn.cuda_graphs.warm, learn.cuda_graphs.if_faster) == (3, 6, False)
+    learn.to_channelslast(use_amp=False, graphs='if_faster')   # another warm-up: the measuring one's
+    assert (learn.cuda_graphs.max_graphs, learn.cuda_graphs.warm, learn.cuda_graphs.if_faster) == (3, MEASURED_WARM, True)
+    assert sum(isinstance(c, CudaGraphs) for c in learn.cbs) == 1
+
+def test_torch_compiles_wrapper_is_refused_where_clfast_would_compile_it():
+    "`learn.model = torch.compile(m)`: `to_channelslast(compile=...)` can neither compile nor undo it in place: one clear error, nothing changed"
+    learn = tiny_learner()
+    learn.model = torch.compile(learn.model)
+    for how in (True, False):
+        with pytest.raises(ValueError, match=r'_orig_mod'): learn.to_channelslast(use_amp=False, compile=how)
+        assert not hasattr(learn, 'channels_last')
+    assert is_compiled(learn.to_channelslast(use_amp=False).model)
 
 def test_graphed_forward_passes_cpu_calls_through():
     m = conv_net().train()

@@ -24,17 +24,20 @@ def _broadcast(self:DistributedDL, t, rank):
     dist.broadcast(t, rank)
     return t.cpu().tolist()
 
-# %% ../nbs/25_distrib.ipynb #ce6b404d
+# %% ../nbs/25_distrib.ipynb #74db599e
 _fastai_to_distributed = getattr(Learner.to_distributed, '__wrapped_fastai__', Learner.to_distributed)
 
 @patch
 @delegates(_fastai_to_distributed)
 def to_distributed(self:Learner, sync_bn=True, **kwargs):
     """fastai's `to_distributed`; without CUDA, accelerate's multi-process CPU mode (gloo) unless `cpu` is given; BNs
-    synchronized by clfast's converter, which knows fused layers (after fastai's, which starts the process group)"""
+    synchronized by clfast's converter, which knows fused layers (after fastai's, which starts the process group), on
+    the device the model will train on: accelerate's, where its `prepare` puts it when the fit starts"""
     if not torch.cuda.is_available(): kwargs.setdefault('cpu', True)
     _fastai_to_distributed(self, False, **kwargs)
-    if sync_bn: self.model = convert_sync_batchnorm(self.model)
+    # a BN synchronizes by clfast's precise kernel on the CPU and as PyTorch's SyncBatchNorm (or fused) on a GPU: the
+    # model, still where the learner was made (fastai moves it in `before_fit`), goes first where its fit will run
+    if sync_bn: self.model = convert_sync_batchnorm(self.model.to(self.distributed_trainer.accelerator.device))
     return self
 
 Learner.to_distributed.__wrapped_fastai__ = _fastai_to_distributed

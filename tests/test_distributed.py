@@ -366,6 +366,45 @@ def test_unfused_bn_on_cpu_is_synchronized_by_clfast(one_rank_gloo, monkeypatch)
     assert nn.SyncBatchNorm.convert_sync_batchnorm(m) is m and type(m[0]) is PreciseSyncBatchNorm
     assert m[0].process_group is None and not isinstance(m[0], nn.SyncBatchNorm)
 
+def test_a_bn_without_tensors_synchronizes_where_the_model_is(one_rank_gloo):
+    """A BN with neither affine parameters nor running statistics has no tensor to say where it is: under gloo it became
+    PyTorch's SyncBatchNorm on a CPU model, which cannot run there (and was not refused). It is now where the model's
+    first tensor is: clfast's precise BN on the CPU, which normalizes as fp64 does; PyTorch's elsewhere (meta standing
+    in for a GPU)"""
+    from clfast.bn import PreciseSyncBatchNorm
+    from clfast.fuse import convert_sync_batchnorm
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, affine=False, track_running_stats=False))
+    convert_sync_batchnorm(m)
+    assert type(m[1]) is PreciseSyncBatchNorm
+    x = torch.randn(4, 3, 10, 10)
+    with torch.no_grad():
+        y = m[0](x).double()
+        want = F.batch_norm(y, None, None, training=True, eps=m[1].eps)
+        err = (m(x).double() - want).abs().max().item()
+    assert err < 1e-5, err
+    on_meta = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, affine=False, track_running_stats=False)).to('meta'))
+    assert type(on_meta[1]) is nn.SyncBatchNorm
+
+@pytest.mark.cuda
+def test_to_distributed_synchronizes_bns_on_the_device_the_fit_runs_on(tmp_path):
+    """fastai's learner keeps its model where it was made (the CPU) until the fit moves it: under a group where gloo
+    serves CPU tensors and NCCL CUDA ones, `to_distributed` converted its BNs there, to clfast's CPU-only precise BN,
+    whose first CUDA batch raised. Converted on accelerate's device, they are PyTorch's SyncBatchNorm, and a fit trains"""
+    from fastai.vision.all import Learner
+    from clfast.bn import PreciseSyncBatchNorm
+    from helpers import image_dls
+    import clfast.distrib   # noqa: F401
+    dist.init_process_group('cpu:gloo,cuda:nccl', init_method=f"file://{tmp_path/'init'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                              nn.BatchNorm1d(8), nn.Linear(8, 2))
+        learn = Learner(image_dls().to('cuda'), model, loss_func=nn.CrossEntropyLoss()).to_distributed()
+        assert not any(isinstance(m, PreciseSyncBatchNorm) for m in learn.model.modules())
+        assert sum(isinstance(m, nn.SyncBatchNorm) for m in learn.model.modules()) == 2
+        with learn.no_bar(), learn.no_logging(): learn.fit(1)
+        assert next(learn.model.parameters()).is_cuda and torch.isfinite(torch.tensor(learn.recorder.values[-1])).all()
+    finally: dist.destroy_process_group()
+
 @pytest.mark.parametrize('mode', ['speed', 'memory', 'off'])
 def test_a_group_of_one_rank_normalizes_as_batchnorm(one_rank_gloo, mode):
     """A synchronized BN over a group of one rank (`torchrun --nproc_per_node 1`) does PyTorch's SyncBatchNorm's work

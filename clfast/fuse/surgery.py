@@ -247,7 +247,7 @@ class _Tracer(fx.Tracer):
         # run at all; hooks there are `runs_unfused`'s
         return super().call_module(m, m.forward, args, kwargs)
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #84cb0732
+# %% ../../nbs/24d_fuse_surgery.ipynb #e09324bf
 def _fused_chains(model:nn.Module) -> list:
     "The fused chains `fuse_conv_bn` made in `model`: `FusedConvBN2d`s and timm's MixedConv2d's, whose `mode` it sets"
     return [m for m in model.modules() if isinstance(m, _FusedChain) and m.__dict__.get('surgical')]
@@ -279,7 +279,7 @@ def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Mo
 def _precise_cpu_sync(model:nn.Module) -> nn.Module:
     "`model` with each PyTorch (or timm) SyncBatchNorm on the CPU, which cannot run there, as clfast's precise one, which can"
     return replace_modules(model, {m: make_precise(m) for m in model.modules()
-                                   if isinstance(m, nn.SyncBatchNorm) and _on_cpu(m) and cpu_sync_capable(m)})
+                                   if isinstance(m, nn.SyncBatchNorm) and _on_cpu(m, model) and cpu_sync_capable(m)})
 
 def unfuse_conv_bn(model:nn.Module) -> nn.Module:
     "Turn every module `fuse_conv_bn` fused back into its stock class in place (a synchronized BN on the CPU: clfast's precise one, which runs there); idempotent"

@@ -58,7 +58,7 @@ class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
 def _parser(prog:str, description:str) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=prog, description=description, formatter_class=_Defaults)
 
-# %% ../nbs/90_cli.ipynb #98cdc9c9
+# %% ../nbs/90_cli.ipynb #fd2a95cf
 def demo_parser() -> argparse.ArgumentParser:
     "Options of `clfast demo`"
     p = _parser('clfast demo', "Train a CNN on scikit-learn's bundled handwritten digits, contiguous fp32 vs "
@@ -66,7 +66,7 @@ def demo_parser() -> argparse.ArgumentParser:
     p.add_argument('--arch', default='simple', type=demo_arch, help="'simple' (a small fastai ConvLayer net), or any "
                    "torchvision or timm classifier name, e.g. resnet18, resnet18d, convnext_atto (random weights, "
                    "fastai's vision_learner)")
-    p.add_argument('--epochs', type=positive_int, default=3, help="epochs of each run (the first warms up)")
+    p.add_argument('--epochs', type=positive_int, default=3, help="epochs of each run (the first warms up, and is left out of images/s from 2 epochs on)")
     p.add_argument('--device', default=None, help="cpu, cuda, cuda:1, mps (default: fastai's default device)")
     p.add_argument('--amp', default='auto', choices=['auto', 'fp16', 'bf16', 'none'],
                    help="mixed precision of the channels-last run (auto: fp16 on GPUs; on a CPU fp16 or "

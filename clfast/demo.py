@@ -24,7 +24,7 @@ import clfast.callback
 
 # %% auto #0
 __all__ = ['N_DIGITS', 'VALID_PCT', 'digits_dls', 'simple_cnn', 'demo_learner', 'Throughput', 'EpochLine', 'auto_amp',
-           'demo_device', 'run_demo', 'format_results', 'main']
+           'demo_device', 'check_arch', 'run_demo', 'format_results', 'main']
 
 # %% ../nbs/03_demo.ipynb #c6513d3f
 N_DIGITS, VALID_PCT = 1797, 0.2   # scikit-learn's bundled digits; the demo's validation share
@@ -101,7 +101,7 @@ def auto_amp(device) -> str:
         return 'none' if chosen == torch.float32 else _DTYPE_NAMES[chosen]
     return 'fp16' if device.type in ('cuda', 'mps') else 'bf16'
 
-# %% ../nbs/03_demo.ipynb #231a160c
+# %% ../nbs/03_demo.ipynb #a9eec0ed
 def demo_device(device=None, bs:int=64, n_items:int|None=None) -> torch.device:
     """The device the demo trains on (`device`, default fastai's), after checking that it exists here and that the
     digits make at least one training batch of `bs` (fastai drops a last partial batch: an epoch of none trained on
@@ -110,19 +110,36 @@ def demo_device(device=None, bs:int=64, n_items:int|None=None) -> torch.device:
     except (RuntimeError, TypeError) as e: raise ValueError(f"device {device!r} is not one torch knows ({e})") from None
     if dev.type == 'cuda' and not torch.cuda.is_available(): raise ValueError(f"device {device!r}: no CUDA GPU here; use cpu")
     if dev.type == 'mps' and not torch.backends.mps.is_available(): raise ValueError(f"device {device!r}: no MPS here; use cpu")
+    if dev.type not in ('cpu', 'cuda', 'mps'): raise ValueError(f"device {device!r}: the demo trains on cpu, cuda or mps")
     n = min(n_items or N_DIGITS, N_DIGITS)
     n_valid = int(VALID_PCT * n)   # as `digits_dls` splits (fastai's RandomSplitter)
     if n - n_valid < bs or n_valid < 1:
+        most = N_DIGITS - int(VALID_PCT * N_DIGITS)
+        if bs > most: raise ValueError(f"bs={bs}: the {N_DIGITS:,} digits leave {most:,} to train on, so the batch size can "
+                                       f"be {most:,} at most")
         need = next(k for k in range(2, N_DIGITS + 1) if k - int(VALID_PCT * k) >= bs and int(VALID_PCT * k) >= 1)
         raise ValueError(f"{n} digit{'s' * (n != 1)} leave{'s' * (n == 1)} {n - n_valid} to train on and {n_valid} to validate: at least one training "
                          f"batch of {bs} (fastai drops a partial one) and one digit to validate are needed; use at least "
                          f"{need} items, or a smaller batch size")
     return dev
 
+def check_arch(arch:str, n_items:int|None=None):
+    """A `ValueError` saying so where `arch` cannot train on the digits' 3x32x32 images (a ViT made for 224 pixels, a
+    model fastai cannot cut into body and head): a training step of two images, before either run starts"""
+    if arch == 'simple': return
+    try:
+        model = demo_learner(arch, bs=2, device='cpu', n_items=n_items).model.train()
+        with torch.no_grad(): model(torch.zeros(2, 3, 32, 32))
+    except Exception as e:
+        why = (str(e).strip().splitlines() or [''])[0]
+        raise ValueError(f"--arch {arch} cannot train on the demo's 3x32x32 digits ({type(e).__name__}{': ' * bool(why)}{why}); "
+                         "try a CNN such as resnet18 or convnext_atto") from None
+
 def run_demo(arch:str='simple', epochs:int=3, device=None, amp:str='auto', bs:int=64, lr:float=3e-3, seed:int=42,
              fuse:str|None=None, progress:bool=False, n_items:int|None=None):
     "Train on the digits contiguous fp32, then with `to_channelslast`; return one result dict per setup"
     device = demo_device(device, bs, n_items)
+    check_arch(arch, n_items)
     amp = auto_amp(device) if amp == 'auto' else amp
     args = [f"amp_mode={amp!r}" if amp != 'none' else 'use_amp=False'] + ([f"fuse={fuse!r}"] if fuse else [])
     setups = [('contiguous fp32', lambda l: l),
@@ -147,7 +164,7 @@ def run_demo(arch:str='simple', epochs:int=3, device=None, amp:str='auto', bs:in
     for r in results: r['ratio'] = r['images_per_sec'] / results[0]['images_per_sec']
     return results
 
-# %% ../nbs/03_demo.ipynb #71c0f7bd
+# %% ../nbs/03_demo.ipynb #7f8d29af
 def format_results(results, arch, epochs, bs) -> str:
     "The demo's table, as printed by `clfast demo`"
     dev = results[0]['device']
@@ -160,6 +177,9 @@ def format_results(results, arch, epochs, bs) -> str:
     for r in results:
         lines.append(f"{r['setup']:<{w}}  {r['precision']:<9}  {r['accuracy']:>8.1%}  {r['images_per_sec']:>9,.0f}  {r['ratio']:>5.2f}x")
     notes = sorted({m for r in results for m in r['warnings']})
+    if epochs == 1:
+        notes.append("one epoch: its images/s include the first epoch's warm-up (oneDNN's or cuDNN's first calls, "
+                     "clfast's checks), left out from the second epoch on; compare the setups with --epochs 2 or more")
     busy = max((r['others_cpu'] for r in results if r.get('others_cpu') is not None), default=0.)
     if busy > BUSY_SHARE:
         notes.append(f"other processes took {busy:.0%} of this machine's cores while the demo trained: on shared cores "
@@ -168,12 +188,12 @@ def format_results(results, arch, epochs, bs) -> str:
     if notes: lines += [''] + [f"note: {m}" for m in notes]
     return '\n'.join(lines)
 
-# %% ../nbs/03_demo.ipynb #d39c0ad0
+# %% ../nbs/03_demo.ipynb #f30da865
 def main(a:argparse.Namespace):
     """`clfast demo`, given its options (parsed by `clfast.cli.demo_parser` before torch loads). Its process keeps
     glibc's heap steady (`clfast.machine.keep_heap_steady`), as the benchmarks can: otherwise whichever setup runs
     first may page-fault fresh memory at every step and the other not, by the heap's history, not by its format"""
-    try: demo_device(a.device, a.bs, a.items)
+    try: demo_device(a.device, a.bs, a.items); check_arch(a.arch, a.items)
     except ValueError as e: print(f"clfast demo: error: {e}", file=sys.stderr); return 2   # as argparse's own errors
     keep_heap_steady()
     res = run_demo(a.arch, a.epochs, a.device, a.amp, a.bs, seed=a.seed, fuse=a.fuse, progress=True, n_items=a.items)

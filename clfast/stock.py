@@ -10,15 +10,19 @@ from torch import nn
 # %% auto #0
 __all__ = ['AsStock', 'rebuilt', 'replace_modules', 'need_module', 'observer', 'hooked', 'stock_copy']
 
-# %% ../nbs/18_stock.ipynb #d4cc79cb
+# %% ../nbs/18_stock.ipynb #f4c6606a
 class AsStock:
-    "Mixin of a class standing in for the stock module class `_stock_class`: pickles as that class without the attributes `_own_attrs`, deep-copies as itself, turns back (`_stock_module`)"
+    "Mixin of a class standing in for the stock module class `_stock_class`: pickles as that class without the attributes `_own_attrs`, copies as itself, turns back (`_stock_module`)"
     _stock_class, _own_attrs = nn.Module, ()
     def __reduce_ex__(self, protocol):
         if not self._pickles_as_stock(): return super().__reduce_ex__(protocol)
         state = {k:v for k,v in self.__dict__.items() if k not in self._own_attrs}
         return copyreg._reconstructor, (self._stock_class, object, None), state
     def _pickles_as_stock(self) -> bool: return True
+    def __copy__(self):   # (not `__reduce_ex__`'s stock class: a shallow copy shares the children this class computes with)
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
     def __deepcopy__(self, memo):
         new = object.__new__(type(self))
         memo[id(self)] = new

@@ -40,12 +40,17 @@ def test_demo_any_arch(capsys):
         assert out.index('[1/2] contiguous fp32') < out.index('epoch 1/1: train_loss') < out.index('[2/2] to_channelslast')
         assert out.index('[2/2] to_channelslast') < out.index('setup ') and f'arch={arch}, 1 epoch, bs=8' in out
         assert '(20 real scans' in out
+        assert "note: one epoch: its images/s include the first epoch's warm-up" in out   # (the ratio read as a comparison)
 
 _TORCH_CHECKED = [
     (['--items', '60'], "60 digits leave 48 to train on and 12 to validate: at least one training batch of 64 (fastai drops a partial one) and one digit to validate are needed; use at least 79 items, or a smaller batch size"),
     (['--items', '1', '--bs', '1'], "1 digit leaves 1 to train on and 0 to validate"),
     (['--device', 'foo'], "device 'foo' is not one torch knows"),
-    (['--device', 'cuda'], "device 'cuda': no CUDA GPU here; use cpu")]
+    (['--device', 'cuda'], "device 'cuda': no CUDA GPU here; use cpu"),
+    (['--device', 'meta'], "device 'meta': the demo trains on cpu, cuda or mps"),   # (it failed inside fastai)
+    (['--bs', '2048'], "bs=2048: the 1,797 digits leave 1,438 to train on, so the batch size can be 1,438 at most"),   # (a StopIteration)
+    (['--arch', 'vit_tiny_patch16_224', '--items', '20', '--bs', '8'],   # (a traceback once the first run had started)
+     "--arch vit_tiny_patch16_224 cannot train on the demo's 3x32x32 digits (AssertionError: Input height (32) doesn't match model (224).)")]
 
 def test_demo_options_torch_must_check_fail_before_training():
     """What only torch can check (a device here; enough digits for one batch) ends the demo at once with exit 2 and one

@@ -90,10 +90,23 @@ def plan(models, batch_sizes, dtypes) -> list:
     groups += [(m, bs, dt, ['stock-cl'] + later(m, bs, dt)) for m in models for dt in dtypes for bs in batch_sizes]
     return groups
 
+def model_source(name:str) -> tuple[str, str]:
+    """(library, model): 'tv:' or 'timm:' before the name says which; a bare name is torchvision's where torchvision has
+    it (resnet50 and efficientnet_b0 in every GPU run so far), else timm's. The table names the library"""
+    lib, _, model = name.rpartition(':')
+    if lib:
+        if lib not in ('tv', 'timm'): sys.exit(f"bench_gpu_fit: --models {name}: 'tv:' (torchvision) or 'timm:' before a name")
+        return lib, model
+    import torchvision
+    return ('tv' if hasattr(torchvision.models, name) else 'timm'), name
+
 def make_model(name:str) -> nn.Module:
-    import timm, torchvision
-    if hasattr(torchvision.models, name): return getattr(torchvision.models, name)()
-    return timm.create_model(name, pretrained=False)
+    lib, model = model_source(name)
+    if lib == 'tv':
+        import torchvision
+        return getattr(torchvision.models, model)()
+    import timm
+    return timm.create_model(model, pretrained=False)
 
 class SameBatch(DataLoader):
     "`n` steps of one batch already on the device: a loader that costs nothing"
@@ -222,7 +235,9 @@ def _free(dev, compiled:bool=True) -> float:
     torch.cuda.synchronize(); torch.cuda.empty_cache()
     return torch.cuda.memory_allocated() / 2**30
 
-def table(groups, results) -> str:
+def table(groups, results, rounds:int, skipped=(), stopped:bool=False) -> str:
+    """The rows of `groups` (`results` of those that ran); `rounds` asked of each setup (a row that measured fewer says
+    so); `skipped`: groups the budget left out; `stopped`: the run was stopped (the rest were never reached)"""
     head = ("| model | batch | dtype | setup | img/s | vs stock channels-last | vs fastai to_channelslast() | peak GiB | "
             "first steps s | note |\n|---|---|---|---|---|---|---|---|---|---|")
     out = [head]
@@ -230,19 +245,24 @@ def table(groups, results) -> str:
     for i, (m, bs, dt, setups) in sorted(enumerate(groups), key=lambda ig: (ig[1][0], -ig[1][1], ig[1][2], ig[0])):
         got_group = results.get(i)
         again = any(h[:3] == (m, bs, dt) for h in groups[:i])   # a later group's: its rows beside its own stock rounds
+        label = ':'.join(model_source(m))
         for s in sorted(setups, key=order.get):
             got = None if got_group is None else got_group.get(s)
             name = SETUPS[s][1] + (' (again, in a later group)' if again and s == 'stock-cl' else '')
-            if got is None: out.append(f"| {m} | {bs} | {dt} | {name} | not run (budget) | | | | | |"); continue
-            if 'error' in got: out.append(f"| {m} | {bs} | {dt} | {name} | failed | | | | | {got['error']} |"); continue
+            if got is None:
+                why = 'budget' if i in skipped else 'stopped' if stopped else 'no round'
+                out.append(f"| {label} | {bs} | {dt} | {name} | not run ({why}) | | | | | |"); continue
+            if 'error' in got: out.append(f"| {label} | {bs} | {dt} | {name} | failed | | | | | {got['error']} |"); continue
             ratio = lambda b: '' if got['ratio'][b] is None else f"{got['ratio'][b]:.2f}"
-            out.append(f"| {m} | {bs} | {dt} | {name} | {got['img_s']:.0f} | {ratio('stock-cl')} | {ratio('fastai')} | "
+            fewer = f" ({got['rounds']} of {rounds} rounds)" if got['rounds'] < rounds else ''
+            out.append(f"| {label} | {bs} | {dt} | {name} | {got['img_s']:.0f}{fewer} | {ratio('stock-cl')} | {ratio('fastai')} | "
                        f"{got['peak_gib']:.2f} | {got['first_s']:.1f} | {got['note']} |")
     return '\n'.join(out)
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--models', nargs='+', default=['resnet50', 'efficientnet_b0'])
+    p.add_argument('--models', nargs='+', default=['resnet50', 'efficientnet_b0'],
+                   help="'tv:' or 'timm:' before a name says the library; a bare name is torchvision's where it has one")
     p.add_argument('--bs', nargs='+', type=int, default=[256, 64])
     p.add_argument('--dtypes', nargs='+', default=['bfloat16', 'float16'], choices=['bfloat16', 'float16'])
     p.add_argument('--setups', nargs='+', choices=list(SETUPS), help="only these setups (default: all, in priority order)")
@@ -265,17 +285,17 @@ def main(argv=None):
     start, results, bases = time.perf_counter(), {}, {}
     def report(*_):
         print(f"\n## fastai Learner.fit, {args.px} px, {args.steps} timed steps after {args.warm}, median of {args.rounds} "
-              f"rounds ({time.perf_counter() - start:.0f} s in all)\n")
-        print(table(groups, results), flush=True)
+              f"rounds (fewer where a row says so; {time.perf_counter() - start:.0f} s in all)\n")
+        print(table(groups, results, args.rounds, skipped, stopped), flush=True)
         if compiles is not None: print(f"\n{compiles} (this process: clfast's kernels, not inductor's workers)", flush=True)
     def interrupt(*_): raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupt)   # stopped by `timeout` (SIGINT or SIGTERM): the table of what ran, still
-    stopped = False
+    stopped, skipped = False, set()
     with counting_compiles() as compiles:   # what Triton's compiles cost the fits (in their first steps' time)
         try:
             for i, (m, bs, dt, setups) in enumerate(groups):
                 left = args.budget - (time.perf_counter() - start)
-                if left < 20 + 60 * len(COMPILED & set(setups)): continue   # a compile takes about a minute; a group less
+                if left < 20 + 60 * len(COMPILED & set(setups)): skipped.add(i); continue   # a compile takes about a minute; a group less
                 group = Group(m, bs, dt, setups, args, bases)
                 try: left_gib = group.run(lambda line: print(line, flush=True))
                 finally: results[i] = group.results()

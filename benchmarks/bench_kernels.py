@@ -13,7 +13,9 @@ time inflated).
 
 Run under the shared CPU lock:  flock /tmp/clfast-cpu.lock python benchmarks/bench_kernels.py [--device cpu|cuda]
 """
-import argparse, statistics, time
+import argparse, statistics, sys, time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repository's clfast, run from anywhere (the GPU machine installs none)
 import torch
 import torch.nn.functional as F
 from clfast import ops

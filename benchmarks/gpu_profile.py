@@ -3,7 +3,10 @@ the host's time to issue a step (no sync), and the top kernels/ops by GPU and by
 
     python benchmarks/gpu_profile.py [--dtype bfloat16] [--bs 256]
 """
-import argparse, copy, time, statistics, torch, torchvision
+import argparse, copy, sys, time, statistics
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repository's clfast, run from anywhere (the GPU machine installs none)
+import torch, torchvision
 from torch.profiler import profile, ProfilerActivity
 from clfast.fuse import fuse_conv_bn
 

@@ -35,6 +35,8 @@ Recorder does `to_detach(loss.mean())`: one sync a step in every dtype). Variant
 from __future__ import annotations
 import argparse, contextlib, json, os, sys, time
 from collections import defaultdict
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repository's clfast, run from anywhere (the GPU machine installs none)
 
 if '--device' in sys.argv and sys.argv[sys.argv.index('--device') + 1] == 'cpu':
     os.environ.setdefault('TRITON_INTERPRET', '1')   # the CUDA code path, interpreted (set before triton is imported)

@@ -19,6 +19,17 @@ def test_bench_gpu_fit_dry_run(capsys):
     rows = {r.split(' | ')[3]: r.split(' | ') for r in table}
     assert rows['stock channels-last, fastai AMP'][5] == '1.00' and float(rows["clfast fuse='speed'"][4]) > 0
     assert 'CUDA graphs need a model on a CUDA GPU' in rows['clfast graphs=True'][9]
+    assert all(r.startswith('| tv:resnet18 | 2 | bfloat16 |') for r in table)   # the library named (timm's has a resnet18 too)
+
+def test_bench_gpu_fit_table_says_what_was_not_measured():
+    """A row says how many of the rounds asked it measured, and a group never started says why: the budget, or the
+    script's stop (a group cut by the stop read "not run (budget)", and a one-round row was a median of the rounds asked)"""
+    bench = runpy.run_path(str(Path(__file__).parents[1] / 'benchmarks' / 'bench_gpu_fit.py'))
+    groups = [('resnet18', 2, 'bfloat16', ['stock-cl']), ('timm:resnet18', 2, 'bfloat16', ['stock-cl']), ('resnet34', 2, 'bfloat16', ['stock-cl'])]
+    one = {'stock-cl': dict(img_s=10., ratio={'stock-cl': 1., 'fastai': None}, rounds=1, first_s=1., peak_gib=0., note='')}
+    rows = {r.split(' | ')[0][2:]: r for r in bench['table'](groups, {0: one}, 3, skipped={1}, stopped=True).splitlines()[2:]}
+    assert rows['tv:resnet18'].startswith('| tv:resnet18 | 2 | bfloat16 | stock channels-last, fastai AMP | 10 (1 of 3 rounds) | 1.00 |'), rows
+    assert 'not run (budget)' in rows['timm:resnet18'] and 'not run (stopped)' in rows['tv:resnet34'], rows
 
 def test_sweep_kernel_tiles_dry_run():
     """The GPU script's tiling sweep runs end to end on the CPU under Triton's interpreter (a process of its own: the

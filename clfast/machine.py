@@ -13,9 +13,9 @@ except ImportError: fcntl = None
 
 # %% auto #0
 __all__ = ['CPU_LEVELS', 'LEVEL_FLAGS', 'ISA_CAP_ENV', 'ISA_ORDER', 'ISA_ENV', 'LOCK_WAIT', 'STEADY_HEAP', 'BUSY_SHARE',
-           'MIN_BUSY_WINDOW', 'cpu_name', 'cpu_id', 'cpu_flags', 'CpuIsaError', 'is_x86', 'host_isa', 'clfast_isa',
-           'isa_env', 'onednn_isa', 'cpu_isa', 'machine_key', 'cache_dir', 'MachineCache', 'keep_heap_steady',
-           'OthersCpu', 'pid_namespace', 'process_alive', 'this_process', 'still_running']
+           'MIN_BUSY_WINDOW', 'FOREIGN_RUN_S', 'cpu_name', 'cpu_id', 'cpu_flags', 'CpuIsaError', 'is_x86', 'host_isa',
+           'clfast_isa', 'isa_env', 'onednn_isa', 'cpu_isa', 'machine_key', 'cache_dir', 'MachineCache',
+           'keep_heap_steady', 'OthersCpu', 'pid_namespace', 'process_alive', 'this_process', 'still_running']
 
 # %% ../nbs/04_machine.ipynb #281bc869
 def _cpuinfo() -> dict:
@@ -46,7 +46,7 @@ def cpu_flags() -> frozenset:
     "The CPU's feature flags (/proc/cpuinfo), e.g. {'avx2', 'avx512_bf16', 'amx_tile', ...}; empty where unknown"
     return frozenset(_cpuinfo().get('flags', '').split())
 
-# %% ../nbs/04_machine.ipynb #42e6b48a
+# %% ../nbs/04_machine.ipynb #9ec82020
 CPU_LEVELS = ('generic', 'avx2', 'avx512')   # clfast's kernel levels, lowest first (ATen's default, avx2, avx512)
 _AVX2 = frozenset({'avx', 'avx2', 'fma', 'f16c'})
 LEVEL_FLAGS = {'generic': frozenset(), 'avx2': _AVX2,           # /proc/cpuinfo flags a level's code may use
@@ -69,9 +69,13 @@ def host_isa() -> str:
     return [l for l in CPU_LEVELS if LEVEL_FLAGS[l] <= flags][-1]
 
 _warned_caps = set()
+# the level of the C++ library this process loaded (`clfast.cpu_kernels.load`): its kernels run at it whatever
+# `$CLFAST_MAX_CPU_ISA` says later (set after the load, it made the cache key name a level no kernel ran at)
+_loaded_level: str|None = None
 
 def clfast_isa() -> str:
-    "The level clfast's C++ kernels run at: `host_isa()`, capped by `$CLFAST_MAX_CPU_ISA`"
+    "The level clfast's C++ kernels run at: the loaded library's, else `host_isa()` capped by `$CLFAST_MAX_CPU_ISA`"
+    if _loaded_level is not None: return _loaded_level
     raw, host = os.environ.get(ISA_CAP_ENV, ''), host_isa()
     cap = raw.strip().lower()
     if not cap: return host
@@ -149,8 +153,17 @@ def _homeless_dir() -> Path:
     try: return Path(tempfile.mkdtemp(prefix='clfast-'))
     except OSError: return d   # no writable temp dir: every write is skipped
 
-# %% ../nbs/04_machine.ipynb #c5a8539b
+# %% ../nbs/04_machine.ipynb #48243e83
 LOCK_WAIT = 30.   # seconds a write of a cache waits for another's (of another process or thread) before it is skipped
+_unwritable: set = set()   # the cache files this process could not read or write, said once each
+
+def _say_unwritable(path:Path, e:OSError):
+    "A cache that cannot be read or written (a read-only home in a container): said once; each process measures for itself"
+    if path in _unwritable: return
+    _unwritable.add(path)
+    from clfast.core import warn_user   # here: clfast.core imports fastai, which the CPU probes need not
+    warn_user(f"clfast cannot use its cache {path} ({e.strerror or e}): what it measures holds for this process "
+              "alone, and every process measures it again; set CLFAST_CACHE_DIR to a folder it can write.")
 
 class MachineCache:
     """A JSON file of results for `name`, one dict per `machine_key()`; unreadable files count as empty, writes are
@@ -159,11 +172,14 @@ class MachineCache:
     @property
     def path(self) -> Path: return cache_dir()/f"{self.name}.json"
 
-    def _read(self) -> dict|None:
-        "The file's data: {} where it is absent or damaged (written anew); None where it is there but cannot be read"
+    def _read(self, say:bool=False) -> dict|None:
+        """The file's data: {} where it is absent or damaged (written anew); None where it is there but cannot be read
+        (or its folder cannot be made: `say`s so)"""
         try: data = json.loads(self.path.read_text())
         except FileNotFoundError: return {}
-        except OSError: return None   # (another user's 0600 file in a shared dir: not ours to overwrite)
+        except OSError as e:   # (another user's 0600 file in a shared dir: not ours to overwrite)
+            if say: _say_unwritable(self.path, e)
+            return None
         except ValueError: return {}
         return data if isinstance(data, dict) else {}
 
@@ -196,7 +212,7 @@ class MachineCache:
         """This machine's entries set to `change(entries)` (None: removed), read and written under the lock; skipped
         where the file is there but cannot be read (never overwritten with what this process could not read)"""
         with self._locked() as held:
-            data = self._read() if held else None
+            data = self._read(say=True) if held else None
             if data is not None:
                 mine = change(self._mine(data))
                 if mine is None: data.pop(self.key(), None)
@@ -239,7 +255,7 @@ class MachineCache:
             with os.fdopen(fd, 'w') as f: f.write(text)
             os.replace(tmp, self.path)
             tmp = None
-        except OSError: pass
+        except OSError as e: _say_unwritable(self.path, e)
         finally:
             if tmp is not None:
                 try: os.unlink(tmp)
@@ -297,7 +313,7 @@ class OthersCpu:
         others = (ticks1[0] - ticks0[0]) / os.sysconf('SC_CLK_TCK') - (own1.user + own1.system - own0.user - own0.system)
         self.share = min(max(others / ((wall1 - wall0) * ticks1[1]), 0.), 1.)
 
-# %% ../nbs/04_machine.ipynb #83373518
+# %% ../nbs/04_machine.ipynb #9903d54f
 def pid_namespace() -> tuple[int, int]|None:
     "This process's PID namespace (Linux: `/proc/self/ns/pid`'s device and inode); None where it cannot be read"
     try: st = os.stat('/proc/self/ns/pid')
@@ -324,12 +340,26 @@ def this_process() -> str|None:
     if ns is None or fields is None: return None
     return f"{ns[0]:x}.{ns[1]:x}:{os.getpid()}:{fields[19]}"   # (stat's 22nd field)
 
+FOREIGN_RUN_S = 3600.   # how long a process of another PID namespace counts as running after its start
+
+def _uptime() -> float|None:
+    "Seconds since the machine booted (the clock of /proc's process start times, containers' too); None where unread"
+    try: return float(Path('/proc/uptime').read_text().split()[0])
+    except (OSError, ValueError, IndexError): return None
+
 def still_running(process:str) -> bool:
-    """Whether `process` (another's `this_process()`) runs; True where this process cannot tell (it is in another PID
-    namespace, a container sharing the cache dir, where its pid means another process), False for a malformed name"""
+    """Whether `process` (another's `this_process()`) runs; False for a malformed name. A process of another PID
+    namespace (a container sharing the cache dir), whose pid here means another process, counts as running for
+    `FOREIGN_RUN_S` after its start (the kernel's one clock since boot): once `True` for good, so what it measured
+    under load was never measured again; True where this process cannot tell at all"""
     try: ns, pid, start = process.split(':'); pid = int(pid)
     except (AttributeError, ValueError): return False
     mine = pid_namespace()
-    if mine is None or ns != f"{mine[0]:x}.{mine[1]:x}": return True
+    if mine is None: return True
+    if ns != f"{mine[0]:x}.{mine[1]:x}":
+        up = _uptime()
+        try: age = None if up is None else up - int(start) / os.sysconf('SC_CLK_TCK')
+        except ValueError: return False
+        return age is None or 0 <= age < FOREIGN_RUN_S   # (a start after now: the machine booted since)
     fields = _proc_stat(pid)
     return process_alive(pid) and fields is not None and fields[19] == start

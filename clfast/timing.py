@@ -135,9 +135,9 @@ def _sleep_cycles_per_s(index:int) -> float:
         _cycles[index] = n / (start.elapsed_time(end) / 1e3)
     return _cycles[index]
 
-# %% ../nbs/04a_timing.ipynb #079a1900
+# %% ../nbs/04a_timing.ipynb #4c16cc6c
 TIMINGS = 'timings'    # the `MachineCache` of every timed decision
-LOCK_TIMEOUT = 600.    # seconds a process waits for another's measurement before it keeps the default
+LOCK_TIMEOUT = 600.    # seconds a process waits for another's measurement before it measures for itself alone
 BUSY_TRIES = 3         # measurements of a decision under others' load, at most: the last is kept
 _UNDER_LOAD = ('busy', 'by', 'tries')   # what a decision timed under load is marked with (see above)
 
@@ -155,6 +155,7 @@ _here: dict[str, Timing] = {}   # this process's decisions by key: read before t
 _here_threads: dict[str, int] = {}
 _said: set = set()
 _thread_lock, _depth = threading.RLock(), 0
+_waited = False   # this process waited `LOCK_TIMEOUT` for the lock once: it does not wait again
 
 def _lock_file() -> int|None:
     "This machine's measuring lock file, open; None where processes cannot share one (no fcntl, no writable cache dir)"
@@ -220,19 +221,21 @@ def decide(key:str, measure:Callable[[], Timing|bool]) -> Timing|bool:
             from clfast.core import warn_user
             warn_user(f"clfast: the timings cached in {cache.path} for this machine are another clfast version's; "
                       "this one measures its own (once each).")
+        global _waited
         try:
-            with measuring():
+            with measuring(0 if _waited else None):
                 before = cache.get(key)
                 got = _usable(before)   # measured by another process while this one waited
                 if got is None:
                     with OthersCpu() as others: got = measure()
                     cache.update({key: _entry(got, others.share, before)})
         except TimeoutError as e:
-            got = Timing(math.nan, 0, None, math.nan)   # undecided: the default, for this process only
-            if key not in _said:
-                _said.add(key)
+            if not _waited:
+                _waited = True
                 from clfast.core import warn_user   # here: clfast.core imports fastai, which the probes need not
-                warn_user(f"clfast: {e}; {key} keeps its default way in this process.")
+                warn_user(f"clfast: {e}; this process measures what it needs without it from now on, for itself alone "
+                          "(nothing cached).")
+            got = measure()
     _here[key], _here_threads[key] = got, threads
     return got
 
@@ -242,16 +245,18 @@ def fresh_state():
     none of the caller's dispatch or function modes (a tracer's fake tensors, a flop counter), none of its hooks on
     saved tensors (a gradient checkpoint's), none of its `torch.func` transforms (per-sample gradients: a probe's
     `backward()` raised inside `grad`), and float32 as the default dtype (a probe's modules and inputs follow it: under
-    `set_default_dtype(torch.float64)` a probe timed fp64 convs and cached the answer for fp32's)"""
+    `set_default_dtype(torch.float64)` a probe timed fp64 convs and cached the answer for fp32's), and oneDNN on (under
+    `torch.backends.mkldnn.flags(enabled=False)` a probe of oneDNN's wrong bf16 weight gradient ran ATen's right one,
+    and cached for every process that the kernel was not wrong)"""
     import torch   # here: the CPU's timings need no torch at import
     from torch.utils._python_dispatch import _disable_current_modes
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
+    dtype, onednn = torch.get_default_dtype(), torch._C._get_mkldnn_enabled()
+    torch.set_default_dtype(torch.float32); torch._C._set_mkldnn_enabled(True)
     try:
         with (temporarily_clear_interpreter_stack(), _disable_current_modes(), torch._C.DisableTorchFunction(),
               torch.inference_mode(False), torch.enable_grad(), torch.autocast('cpu', enabled=False), plain_saves()): yield
-    finally: torch.set_default_dtype(dtype)
+    finally: torch.set_default_dtype(dtype); torch._C._set_mkldnn_enabled(onednn)
 
 def plain_saves():
     """Identity hooks on saved tensors over the caller's, for work timed or probed inside a step: a gradient checkpoint's

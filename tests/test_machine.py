@@ -16,6 +16,7 @@ def host(monkeypatch):
     "Make clfast see an x86 CPU with these /proc/cpuinfo flags (the level's rules, whatever CPU runs the test)"
     monkeypatch.delenv(ISA_CAP_ENV, raising=False)
     monkeypatch.setattr(machine, '_warned_caps', set())
+    monkeypatch.setattr(machine, '_loaded_level', None)   # (as before this process loaded a library: the cap's rules)
     def use(flags, arch='x86_64'):
         monkeypatch.setattr(machine.platform, 'machine', lambda: arch)
         monkeypatch.setattr(machine, 'cpu_flags', lambda: frozenset(flags))
@@ -23,6 +24,18 @@ def host(monkeypatch):
         monkeypatch.setattr(machine, 'host_isa', lambda: level)
         return level
     return use
+
+def test_a_cap_set_after_the_library_loaded_changes_nothing(monkeypatch):
+    """`CLFAST_MAX_CPU_ISA` set after the C++ library loaded (in a notebook) changes no kernel: clfast's level, and the
+    cache key of what its kernels measure, stay the loaded library's (they named the cap's, and the loaded kernels'
+    timings were cached as that level's)"""
+    from clfast import cpu_kernels
+    if cpu_kernels.load() is None: pytest.skip("no C++ library here")
+    level, key = clfast_isa(), machine_key()
+    lower = CPU_LEVELS[0] if level != CPU_LEVELS[0] else None
+    if lower is None: pytest.skip("the library runs at the lowest level already")
+    monkeypatch.setenv(ISA_CAP_ENV, lower)
+    assert clfast_isa() == level and machine_key() == key
 
 @pytest.mark.parametrize('flags,level', [
     (AVX512 | {'avx512_bf16', 'amx_tile'}, 'avx512'), (AVX512, 'avx512'),

@@ -46,8 +46,8 @@ def _fused_nothing(model:nn.Module, mode:str) -> str|None:
         why = f" (first skipped: {report.skipped[0][0]}: {report.skipped[0][1]})" if report.skipped else " (it has no conv followed by a BatchNorm2d)"
         return f"fuse={mode!r} fused nothing in this model{why}; `fusion_report(learn.model)` lists every reason."
 
-# %% ../nbs/02_callback.ipynb #452e616a
-_OWN_EVENTS = ('before_fit', 'before_validate', 'before_batch', 'after_pred', 'after_batch', 'after_fit')
+# %% ../nbs/02_callback.ipynb #366b18b2
+_OWN_EVENTS = ('before_fit', 'before_train', 'before_validate', 'before_batch', 'after_pred', 'after_batch', 'after_fit')
 
 @fastai_signature(fastai_cl.ChannelsLast)
 class ChannelsLast(_StateDefaults, Callback):
@@ -78,10 +78,14 @@ class ChannelsLast(_StateDefaults, Callback):
         if not self.ranks:
             warn_user("ChannelsLast: the model has no 2D or 3D convolution, so the channels-last format changes "
                       "nothing for it; remove the callback or call `learn.to_contiguous()`.", once_for=self)
-        self._check_single_amp()
         self._prepare()
         self.prepared = True
         self._user('before_fit')
+
+    def before_train(self):
+        # here, not in `before_fit`, which `validate` runs too: raised there, it left fastai's lock of the learner held
+        self._check_single_amp()
+        self._user('before_train')
 
     def _prepare(self, made:bool=False):
         "Fuse (as asked), convert and guard the model and its optimizer's state; `made`: lazy modules have just run"
@@ -244,7 +248,7 @@ def to_contiguous(self:Learner,
     if to_fp32: self.to_fp32()
     return self
 
-# %% ../nbs/02_callback.ipynb #8ee09015
+# %% ../nbs/02_callback.ipynb #5ce91ed6
 _fastai_export = getattr(Learner.export, '__wrapped_fastai__', Learner.export)   # fastai's, when reloaded too
 
 def _as_fastai(cb:Callback) -> Callback|None:
@@ -265,6 +269,8 @@ def export(self:Learner, fname='export.pkl', pickle_module=cloudpickle, pickle_p
     # written, that failed where the model changed under the optimizer (`fold_conv_bn(..., inplace=True)`). The very
     # optimizer is put back instead, whatever happens
     self.opt = None
+    # an `OptimWrapper` given as `opt_func` is the optimizer itself, whose state fastai's export clears making "a new one"
+    kept = opt.state_dict() if opt is not None and opt is self.opt_func else None
     # any weight not contiguous: its callback's, a fit's given `ChannelsLast` for that fit alone, a block put in since
     try:
         with model_in_format(self.model, channels_last=False): return _fastai_export(self, fname, pickle_module, pickle_protocol)
@@ -273,6 +279,7 @@ def export(self:Learner, fname='export.pkl', pickle_module=cloudpickle, pickle_p
         raise
     finally:
         self.opt = opt
+        if kept is not None: opt.load_state_dict(kept)
         self.remove_cbs(theirs).add_cbs(ours)
         self.cbs.items.sort(key=order.index)   # as they were
 

@@ -101,7 +101,7 @@ def auto_amp(device) -> str:
         return 'none' if chosen == torch.float32 else _DTYPE_NAMES[chosen]
     return 'fp16' if device.type in ('cuda', 'mps') else 'bf16'
 
-# %% ../nbs/03_demo.ipynb #a9eec0ed
+# %% ../nbs/03_demo.ipynb #133b32b0
 def demo_device(device=None, bs:int=64, n_items:int|None=None) -> torch.device:
     """The device the demo trains on (`device`, default fastai's), after checking that it exists here and that the
     digits make at least one training batch of `bs` (fastai drops a last partial batch: an epoch of none trained on
@@ -123,23 +123,25 @@ def demo_device(device=None, bs:int=64, n_items:int|None=None) -> torch.device:
                          f"{need} items, or a smaller batch size")
     return dev
 
-def check_arch(arch:str, n_items:int|None=None):
-    """A `ValueError` saying so where `arch` cannot train on the digits' 3x32x32 images (a ViT made for 224 pixels, a
-    model fastai cannot cut into body and head): a training step of two images, before either run starts"""
+def check_arch(arch:str, n_items:int|None=None, bs:int=64):
+    """A `ValueError` saying so where `arch` cannot train on the digits' 3x32x32 images in batches of `bs` (a ViT made
+    for 224 pixels, a model fastai cannot cut into body and head, fastai's head's BatchNorm1d on a batch of one): a
+    training step of `min(bs, 2)` images, before either run starts"""
     if arch == 'simple': return
     try:
         model = demo_learner(arch, bs=2, device='cpu', n_items=n_items).model.train()
-        with torch.no_grad(): model(torch.zeros(2, 3, 32, 32))
+        with torch.no_grad(): model(torch.zeros(min(bs, 2), 3, 32, 32))
     except Exception as e:
         why = (str(e).strip().splitlines() or [''])[0]
-        raise ValueError(f"--arch {arch} cannot train on the demo's 3x32x32 digits ({type(e).__name__}{': ' * bool(why)}{why}); "
-                         "try a CNN such as resnet18 or convnext_atto") from None
+        raise ValueError(f"--arch {arch} cannot train on the demo's 3x32x32 digits in batches of {bs} "
+                         f"({type(e).__name__}{': ' * bool(why)}{why}); try a CNN such as resnet18 or convnext_atto"
+                         f"{', and --bs 2 or more' if bs < 2 else ''}") from None
 
 def run_demo(arch:str='simple', epochs:int=3, device=None, amp:str='auto', bs:int=64, lr:float=3e-3, seed:int=42,
              fuse:str|None=None, progress:bool=False, n_items:int|None=None):
     "Train on the digits contiguous fp32, then with `to_channelslast`; return one result dict per setup"
     device = demo_device(device, bs, n_items)
-    check_arch(arch, n_items)
+    check_arch(arch, n_items, bs)
     amp = auto_amp(device) if amp == 'auto' else amp
     args = [f"amp_mode={amp!r}" if amp != 'none' else 'use_amp=False'] + ([f"fuse={fuse!r}"] if fuse else [])
     setups = [('contiguous fp32', lambda l: l),
@@ -188,12 +190,12 @@ def format_results(results, arch, epochs, bs) -> str:
     if notes: lines += [''] + [f"note: {m}" for m in notes]
     return '\n'.join(lines)
 
-# %% ../nbs/03_demo.ipynb #f30da865
+# %% ../nbs/03_demo.ipynb #7704a958
 def main(a:argparse.Namespace):
     """`clfast demo`, given its options (parsed by `clfast.cli.demo_parser` before torch loads). Its process keeps
     glibc's heap steady (`clfast.machine.keep_heap_steady`), as the benchmarks can: otherwise whichever setup runs
     first may page-fault fresh memory at every step and the other not, by the heap's history, not by its format"""
-    try: demo_device(a.device, a.bs, a.items); check_arch(a.arch, a.items)
+    try: demo_device(a.device, a.bs, a.items); check_arch(a.arch, a.items, a.bs)
     except ValueError as e: print(f"clfast demo: error: {e}", file=sys.stderr); return 2   # as argparse's own errors
     keep_heap_steady()
     res = run_demo(a.arch, a.epochs, a.device, a.amp, a.bs, seed=a.seed, fuse=a.fuse, progress=True, n_items=a.items)

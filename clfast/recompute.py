@@ -11,7 +11,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 # %% auto #0
-__all__ = ['remember', 'remembers', 'observing', 'recomputing', 'recomputed_outputs']
+__all__ = ['remember', 'remembers', 'observing', 'observed', 'recomputing', 'recomputed_outputs']
 
 # %% ../nbs/23a_recompute.ipynb #20cde7d9
 _recipes = WeakIdKeyDictionary()   # a fused layer's output -> its `_Recipe`, for as long as the output lives
@@ -56,7 +56,7 @@ def remembers(layer, grad:bool=True) -> bool:
     counts = None if states is None else states.get(grad)
     return counts is None or (counts[1] > 0 and not counts[2])
 
-# %% ../nbs/23a_recompute.ipynb #622b8199
+# %% ../nbs/23a_recompute.ipynb #1d3f094a
 class _Saved:
     "A tensor saved as it is: detached, and the version it had when saved"
     __slots__ = ('t', 'version')
@@ -65,7 +65,7 @@ class _Saved:
         if self.t._version != self.version:
             raise RuntimeError("one of the variables needed for gradient computation has been modified by an inplace "
                                f"operation: [{self.t.type()} {list(self.t.shape)}] is at version {self.t._version}; "
-                               f"expected version {self.version} instead (saved under clfast's recomputed_outputs)")
+                               f"expected version {self.version} instead (saved through clfast's saved-tensor hooks)")
         return self.t
 
 class _Outer:
@@ -87,10 +87,22 @@ def _recipe(t:Tensor) -> _Recipe|None:
     return r
 
 def observing(pack:Callable) -> Callable:
-    """Mark `pack`, the pack hook of a saved-tensor hooks pair that keeps each tensor as it is (it returns it, having
-    looked at it: a count of saved memory), as one `recomputed_outputs()` composes its recipes with; returns `pack`"""
+    """Mark `pack`, the pack hook of a saved-tensor hooks pair that keeps each tensor as it is (having looked at it: a
+    count of saved memory), as one `recomputed_outputs()` composes its recipes with; returns `pack`"""
     pack._clfast_observes = True
     return pack
+
+def _unpack(p): return p()
+
+def observed(look:Callable[[Tensor], None]) -> torch.autograd.graph.saved_tensors_hooks:
+    """A saved-tensor hooks pair that shows `look` each tensor saved and keeps it as it is (`_Saved`: detached, its
+    version checked), one `recomputed_outputs()` composes its recipes with. Not the tensor itself: an op that saves its
+    own output (exp, ReLU) then holds itself through its graph, a cycle Python's collector cannot see, so a forward
+    that raised before its backward was never freed (the format finder's failed setups kept their activations)"""
+    def pack(t):
+        look(t)
+        return _Saved(t)
+    return torch.autograd.graph.saved_tensors_hooks(observing(pack), _unpack)
 
 def _hooks(outer) -> tuple:
     "The pack and unpack hooks: recipes for remembered outputs; other tensors as they are, or through the `outer` pair"
@@ -99,7 +111,7 @@ def _hooks(outer) -> tuple:
         o_pack, o_unpack = outer
         pack = lambda t: _recipe(t) or _Outer(o_pack(t), o_unpack)
     pack._clfast_recipes = pack._clfast_observes = True   # (an inner block's recipes compose with these: they are bit for bit)
-    return pack, lambda p: p()
+    return pack, _unpack
 
 def recomputing() -> bool:
     """Whether saves now go through `recomputed_outputs`' hooks (they are the innermost pair, and nothing traces): a

@@ -135,7 +135,7 @@ def _sleep_cycles_per_s(index:int) -> float:
         _cycles[index] = n / (start.elapsed_time(end) / 1e3)
     return _cycles[index]
 
-# %% ../nbs/04a_timing.ipynb #4c16cc6c
+# %% ../nbs/04a_timing.ipynb #6a0b7283
 TIMINGS = 'timings'    # the `MachineCache` of every timed decision
 LOCK_TIMEOUT = 600.    # seconds a process waits for another's measurement before it measures for itself alone
 BUSY_TRIES = 3         # measurements of a decision under others' load, at most: the last is kept
@@ -259,17 +259,17 @@ def fresh_state():
     finally: torch.set_default_dtype(dtype); torch._C._set_mkldnn_enabled(onednn)
 
 def plain_saves():
-    """Identity hooks on saved tensors over the caller's, for work timed or probed inside a step: a gradient checkpoint's
+    """Hooks that keep saved tensors as they are, over the caller's, for work timed or probed inside a step: a gradient checkpoint's
     hooks would count its saved tensors as the step's. The innermost pair is the one applied. Nothing where the caller
     set none (timings then run as they do outside a checkpoint; a torch before 2.5 cannot tell, and gets the pair) or
-    where hooks are disabled. The pair observes (`clfast.recompute.observing`): a `recomputed_outputs()` inside it, a
+    where hooks are disabled. The pair observes (`clfast.recompute.observed`): a `recomputed_outputs()` inside it, a
     'memory' layer's timing, composes its recipes with it"""
     import torch
-    from clfast.recompute import observing
+    from clfast.recompute import observed
     top = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)   # the caller's pair, or None
     if not torch._C._autograd._saved_tensors_hooks_is_enabled() or (top is not None and top(False) is None):
         return contextlib.nullcontext()
-    return torch.autograd.graph.saved_tensors_hooks(observing(lambda t: t), lambda t: t)
+    return observed(lambda t: None)
 
 def decide_premise(key:str, probe:Callable[[], Timing|bool]) -> Timing|bool:
     """`decide(key, probe)` for a fact about this machine's kernels, not about one call: `probe` runs in `fresh_state`.

@@ -113,9 +113,28 @@ def test_warnings_name_the_users_line():
     assert got == [(__file__, fit_line, 'ChannelsLast: the model h'), (__file__, call_line, 'to_channelslast: replacin')], got
 
 def test_two_amp_callbacks_refused():
+    """Refused by a fit, before a step; not by `validate`, which runs `before_fit` inside fastai's lock of the learner:
+    raised there, the lock stayed held and the next `validate` hung for good"""
     learn = tiny_learner().to_channelslast(amp_mode='bf16')
     learn.add_cb(fastai_fp16.MixedPrecision())
     with pytest.raises(ValueError, match="2 MixedPrecision callbacks"): _fit(learn)
+    with learn.no_bar():
+        for _ in range(2): learn.validate()
+    assert not learn.lock.locked()
+
+def test_validate_inside_a_fit_keeps_the_fits_mixed_precision():
+    """A callback's `learn.validate()` inside a fit runs `before_fit` and `after_fit` too: MixedPrecision made a new
+    GradScaler, then set it to None, and the fit's next step raised ('NoneType' object has no attribute 'scale')"""
+    class ValidateMidFit(Callback):
+        order = 60
+        def after_batch(self):
+            if self.training and self.iter == 0: self.learn.validate()
+    learn = tiny_learner().to_channelslast(amp_mode='fp16')   # (a GradScaler where this CPU trains fp16; none else)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', ClfastWarning)
+        _fit(learn, ValidateMidFit(), n=2)
+    # (fastai's Recorder restarts its records at such a `validate`: the weights say the fit trained on)
+    assert all(p.isfinite().all() for p in learn.model.parameters()) and learn.scaler is None
 
 def test_no_conv_model_warns():
     "A model without 2D/3D convs: said, and its batches left as they are (fastai's `Flatten` views them, as stock fastai trains it)"
@@ -469,6 +488,18 @@ def test_export_after_a_fold_in_place_writes_and_keeps_the_optimizer(tmp_path):
     assert all(type(m) is nn.Conv2d for m in exported.modules() if isinstance(m, nn.Conv2d))
     with torch.no_grad(): got = exported(x.contiguous()).double()
     assert (got - want).abs().max() < 1e-4 * want.abs().max(), (got - want).abs().max()
+
+def test_export_keeps_the_state_of_an_optimizer_given_as_opt_func(tmp_path):
+    """`opt_func=OptimWrapper(opt=...)` is the optimizer itself: fastai's export clears its state making "a new one", and
+    clfast's, putting the very optimizer back, put it back empty (SGD's momentum buffers lost)"""
+    from fastai.optimizer import OptimWrapper
+    learn = datasets_learner(path=tmp_path)
+    learn.opt_func = OptimWrapper(opt=torch.optim.SGD(learn.model.parameters(), lr=0.01, momentum=0.9))
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    before = {k: v.clone() for k, v in learn.opt.opt.state_dict()['state'][0].items()}
+    learn.export('wrapped.pkl')
+    after = learn.opt.opt.state_dict()['state']
+    assert learn.opt is learn.opt_func and after and all(torch.equal(after[0][k], v) for k, v in before.items())
 
 def test_a_predict_under_inference_mode_before_the_first_fit_leaves_normal_weights():
     """fastai's `predict` under `torch.inference_mode()` before any fit converts the model there: its weights were made

@@ -50,7 +50,9 @@ _TORCH_CHECKED = [
     (['--device', 'meta'], "device 'meta': the demo trains on cpu, cuda or mps"),   # (it failed inside fastai)
     (['--bs', '2048'], "bs=2048: the 1,797 digits leave 1,438 to train on, so the batch size can be 1,438 at most"),   # (a StopIteration)
     (['--arch', 'vit_tiny_patch16_224', '--items', '20', '--bs', '8'],   # (a traceback once the first run had started)
-     "--arch vit_tiny_patch16_224 cannot train on the demo's 3x32x32 digits (AssertionError: Input height (32) doesn't match model (224).)")]
+     "--arch vit_tiny_patch16_224 cannot train on the demo's 3x32x32 digits in batches of 8 (AssertionError: Input height (32) doesn't match model (224).)"),
+    (['--arch', 'resnet18', '--items', '20', '--bs', '1'],   # (fastai's head's BatchNorm1d: a traceback once training had started)
+     "--arch resnet18 cannot train on the demo's 3x32x32 digits in batches of 1 (ValueError: Expected more than 1 value per channel when training")]
 
 def test_demo_options_torch_must_check_fail_before_training():
     """What only torch can check (a device here; enough digits for one batch) ends the demo at once with exit 2 and one

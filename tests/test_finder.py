@@ -323,3 +323,19 @@ def test_apply_setup_applies_contiguous_setups_and_keeps_the_users_scaler(capsys
     finder.apply_setup(learn, Setup(), 'fp32')
     assert 'fp32; replacing the attached MixedPrecision(fp16)' in capsys.readouterr().out
     assert not [c for c in learn.cbs if type(c).__name__ == 'MixedPrecision']
+
+def test_apply_setup_leaves_torch_compiles_wrapper(capsys):
+    """`learn.model = torch.compile(m)`: a setup, compiled or not, is applied around it, and the printed line says the
+    wrapper stays (a setup without compile asked to undo it, which clfast cannot: a ValueError, after the user's
+    MixedPrecision had been removed)"""
+    learn = learner().to_fp16(init_scale=256.)
+    learn.model = torch.compile(learn.model, backend='eager')
+    wrapper = learn.model
+    for setup in (Setup(dtype=torch.float16), Setup(dtype=torch.float16, compile=True)):
+        finder.apply_setup(learn, setup, 'chosen')
+        assert learn.model is wrapper and isinstance(learn.channels_last, ChannelsLast)
+        amp = [c for c in learn.cbs if type(c).__name__ == 'MixedPrecision']
+        assert len(amp) == 1 and amp[0].kwargs == {'init_scale': 256.}
+    assert "the model stays torch.compile's wrapper (OptimizedModule), as it was given" in capsys.readouterr().out
+    _fit(learn)
+    assert learn.model is wrapper and is_channels_last(next(learn.model.parameters()))

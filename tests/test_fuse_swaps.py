@@ -98,6 +98,36 @@ def test_hooks_see_the_stock_modules_work():
     t = torch.randn(2, 64, 4, 4)
     assert m.bn1(t) is t   # a pass-through again
 
+def test_global_hooks_see_the_stock_modules_work():
+    """A hook every module runs (`register_module_forward_hook` / `register_module_full_backward_hook`) saw a fused
+    conv's output normalized and activated, and its gradient as the fused output's: while one is registered, every
+    chain runs as its stock modules (against fp64's conv output and gradient), fused again once it is removed"""
+    torch.manual_seed(0)
+    m = _busy_stats(nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3), nn.BatchNorm2d(8),
+                                  nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10)))
+    # (not torchvision's resnets: they add in place, which a full backward hook refuses, stock too)
+    stock = copy.deepcopy(m).double()
+    fuse_conv_bn(m)
+    assert 'Fused' in type(m[0]).__name__
+    seen = {}
+    def keep(mod, args, out):
+        if mod is m[0] or mod is stock[0]: seen[mod is m[0]] = out.detach().clone()
+    def keep_grad(mod, grad_in, grad_out):
+        if mod is m[0] or mod is stock[0]: seen[('grad', mod is m[0])] = grad_out[0].detach().clone()
+    hooks = [torch.nn.modules.module.register_module_forward_hook(keep),
+             torch.nn.modules.module.register_module_full_backward_hook(keep_grad)]
+    try:
+        for model in (m, stock):
+            x = X.clone().to(next(model.parameters()).dtype).requires_grad_()
+            model.train()(x).square().mean().backward()
+    finally:
+        for h in hooks: h.remove()
+    scale = seen[False].abs().max()
+    assert (seen[True].double() - seen[False]).abs().max() < 1e-5 * scale
+    gscale = seen[('grad', False)].abs().max()
+    assert (seen[('grad', True)].double() - seen[('grad', False)]).abs().max() < 1e-3 * gscale
+    assert not m[0].runs_unfused()
+
 def _learner(model, n=8):
     "A Learner over one batch of `n` images and labels (train and valid), recording fastai's ActivationStats"
     g = torch.Generator().manual_seed(1)

@@ -161,6 +161,19 @@ def test_inference_runs_neither_check_nor_reset_the_graphs(as_on_cuda):
     said = [m for m in _clfast_warnings(rec) if m.startswith('CudaGraphs')]
     assert len(said) == 1 and said[0].startswith("CudaGraphs: module 0.0 (") and 'has hooks' in said[0], said   # (Conv2d, or the CPU guard's)
 
+def test_validate_inside_a_fit_keeps_its_graphs(as_on_cuda):
+    """A callback's `learn.validate()` inside a fit runs `before_fit` and `after_fit`: the graphs went for the rest of
+    the fit (after_fit), silently"""
+    learn = tiny_learner().to_channelslast(use_amp=False)
+    learn.add_cb(as_on_cuda)
+    on = []
+    class ValidateEachEpoch(Callback):
+        order = 60
+        def before_train(self): on.append(isinstance(self.model.__dict__.get('forward'), GraphedForward))
+        def after_train(self): self.learn.validate()   # (not after_epoch: validate's own exit calls that)
+    _fit(learn, ValidateEachEpoch(), epochs=3)
+    assert on == [True] * 3 and 'forward' not in learn.model.__dict__
+
 def test_one_cudagraphs_at_a_time_and_its_settings_kept():
     """A second `CudaGraphs` (given to `fit` on a learner with one) would wrap the first's forward and capture its
     replays: refused before a step. `to_channelslast(graphs=...)` keeps an attached one's `max_graphs` (which its own
@@ -169,6 +182,9 @@ def test_one_cudagraphs_at_a_time_and_its_settings_kept():
     graphs = learn.cuda_graphs
     with pytest.raises(ValueError, match='2 CudaGraphs callbacks are attached'): _fit(learn, CudaGraphs())
     assert 'forward' not in learn.model.__dict__ and graphs in learn.cbs
+    with learn.added_cbs(CudaGraphs()), learn.no_bar():   # not `validate`'s: raised there, fastai's lock stayed held (a hang)
+        for _ in range(2): learn.validate()
+    assert not learn.lock.locked()
     graphs.max_graphs, graphs.warm = 3, 6
     learn.to_channelslast(use_amp=False, graphs=True)
     assert (learn.cuda_graphs.max_graphs, learn.cuda_graphs.warm, learn.cuda_graphs.if_faster) == (3, 6, False)

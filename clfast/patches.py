@@ -10,7 +10,7 @@ from dataclasses import dataclass
 # %% auto #0
 __all__ = ['PATCHES', 'Patch', 'install', 'installed']
 
-# %% ../nbs/07_patches.ipynb #ebeeea9b
+# %% ../nbs/07_patches.ipynb #b3e0748a
 @dataclass(frozen=True)
 class Patch:
     "One change clfast makes to another library"
@@ -31,6 +31,9 @@ PATCHES = [
           "exports contiguous weights, so an exported learner loads and predicts anywhere as a stock one"),
     Patch(_L + 'one_batch', 'clfast.amp', 'wraps', 'import',
           "an exception inside a batch (KeyboardInterrupt in a notebook) would leave CPU autocast on for what runs next"),
+    Patch(_L + '_do_fit', 'clfast.amp', 'wraps', 'import',
+          "a fit ended between batches (a KeyboardInterrupt in the DataLoader's fetch) would leave CudaGraphs' forward on "
+          "the model; and a `validate` a callback calls inside a fit would reset the fit's GradScaler (`in_fit`)"),
     Patch(_L + 'to_fp16', 'clfast.amp', 'replaces', 'import',
           "clfast's MixedPrecision: autocast on the batches' device, fp16 on a CPU only where it is fast; GradScaler's "
           "arguments checked at once"),

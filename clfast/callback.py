@@ -176,14 +176,12 @@ def _events_given(cbs:list) -> dict:
         res.update({k: getattr(v, '__func__', v) for k, v in given.items()})
     return res
 
-# %% ../nbs/02_callback.ipynb #db06d6ae
+# %% ../nbs/02_callback.ipynb #c26ee7ba
 def _graphs_cb(if_faster:bool, attached:list) -> CudaGraphs:
     "The `CudaGraphs` that `to_channelslast(graphs=...)` attaches: an attached one's `max_graphs` kept, and its warm-up where it measured as asked"
-    kept = {}
-    for cb in attached[-1:]:
-        kept['max_graphs'] = cb.max_graphs
-        if cb.if_faster == if_faster: kept['warm'] = cb.warm
-    return CudaGraphs(if_faster=if_faster, **kept)
+    if not attached: return CudaGraphs(if_faster=if_faster)
+    cb = attached[-1]
+    return CudaGraphs(if_faster=if_faster, max_graphs=cb.max_graphs, **({'warm': cb.warm} if cb.if_faster == if_faster else {}))
 
 @patch
 @fastai_signature(Learner.to_channelslast, also=GradScaler)   # fastai's: this patch replaces it just after

@@ -222,10 +222,10 @@ def main(argv=None):
         n = len(compile_all(variants, args.batches, dtypes, args.dry, cc, args.processes))
         print(f"{torch.cuda.get_device_name()}: {n} specializations compiled in {time.monotonic() - t0:.0f} s", flush=True)
     res = {}
-    launch = tk.launching('compiled') if args.device == 'cuda' else contextlib.nullcontext()
+    launch = (lambda: tk.launching('compiled')) if args.device == 'cuda' else contextlib.nullcontext   # one per block
     try:   # (Ctrl-C, or the GPU script's SIGINT at its step's limit: the table of what was measured)
         # one setting at a time until 3/4 of the budget, then the best of each together against the default
-        with launch: sweep(variants, args.batches, dtypes, args.dry, args.device, args.reps, t0 + .75 * args.budget, res)
+        with launch(): sweep(variants, args.batches, dtypes, args.dry, args.device, args.reps, t0 + .75 * args.budget, res)
         text, means = table(res)
         print(text, flush=True)
         together = best_together(means)
@@ -236,7 +236,7 @@ def main(argv=None):
             combo = {'default': {}, 'together': together}
             if args.device == 'cuda': compile_all(combo, args.batches, dtypes, args.dry, cc, args.processes)
             res = {}
-            with launch: sweep(combo, args.batches, dtypes, args.dry, args.device, args.reps, t0 + args.budget, res)
+            with launch(): sweep(combo, args.batches, dtypes, args.dry, args.device, args.reps, t0 + args.budget, res)
             print(table(res)[0])
     except KeyboardInterrupt:
         print("\n(interrupted: what was measured)\n" + table(res)[0])

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 # %% auto #0
 __all__ = ['PATCHES', 'Patch', 'install', 'installed']
 
-# %% ../nbs/07_patches.ipynb #b3e0748a
+# %% ../nbs/07_patches.ipynb #49a32604
 @dataclass(frozen=True)
 class Patch:
     "One change clfast makes to another library"
@@ -50,6 +50,10 @@ PATCHES = [
     Patch(_L + 'to_distributed', 'clfast.distrib', 'wraps', 'import',
           "multi-process training on CPUs (accelerate's cpu=True without CUDA) and BNs synchronized by clfast's "
           "converter, which knows fused layers"),
+    Patch('fastai.distributed:DistributedTrainer._wrap_dl', 'clfast.distrib', 'replaces', 'import',
+          "fastai reads the device of the DDP wrapper, which accelerate leaves out for one process on a GPU"),
+    Patch('fastai.distributed:DistributedTrainer.after_fit', 'clfast.distrib', 'replaces', 'import',
+          "fastai takes the DDP wrapper's module, which accelerate leaves out for one process on a GPU"),
     Patch('fastai.distributed:DistributedDL._broadcast', 'clfast.distrib', 'replaces', 'import',
           "fastai broadcasts the epoch's sample order as a CUDA tensor; gloo (CPUs) needs a CPU one"),
     Patch('torch:ops.aten.lstm.input', 'clfast.amp', 'registers', 'MixedPrecision, where CPU autocast measured LSTM failing',

@@ -386,7 +386,7 @@ def test_a_bn_without_tensors_synchronizes_where_the_model_is(one_rank_gloo):
     assert type(on_meta[1]) is nn.SyncBatchNorm
 
 @pytest.mark.cuda
-def test_to_distributed_synchronizes_bns_on_the_device_the_fit_runs_on(tmp_path):
+def test_to_distributed_synchronizes_bns_on_the_device_the_fit_runs_on(tmp_path, monkeypatch):
     """fastai's learner keeps its model where it was made (the CPU) until the fit moves it: under a group where gloo
     serves CPU tensors and NCCL CUDA ones, `to_distributed` converted its BNs there, to clfast's CPU-only precise BN,
     whose first CUDA batch raised. Converted on accelerate's device, they are PyTorch's SyncBatchNorm, and a fit trains"""
@@ -394,6 +394,12 @@ def test_to_distributed_synchronizes_bns_on_the_device_the_fit_runs_on(tmp_path)
     from clfast.bn import PreciseSyncBatchNorm
     from helpers import image_dls
     import clfast.distrib   # noqa: F401
+    from accelerate.state import AcceleratorState
+    # torchrun's variables: accelerate reads LOCAL_RANK to know it runs distributed (without it, one process is not,
+    # and `prepare` leaves the model unwrapped); its state is a process-wide singleton, made afresh for this test
+    for k, v in dict(RANK='0', LOCAL_RANK='0', WORLD_SIZE='1', MASTER_ADDR='127.0.0.1', MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(k, v)
+    AcceleratorState._reset_state(reset_partial_state=True)
     dist.init_process_group('cpu:gloo,cuda:nccl', init_method=f"file://{tmp_path/'init'}", rank=0, world_size=1)
     try:
         model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
@@ -403,7 +409,9 @@ def test_to_distributed_synchronizes_bns_on_the_device_the_fit_runs_on(tmp_path)
         assert sum(isinstance(m, nn.SyncBatchNorm) for m in learn.model.modules()) == 2
         with learn.no_bar(), learn.no_logging(): learn.fit(1)
         assert next(learn.model.parameters()).is_cuda and torch.isfinite(torch.tensor(learn.recorder.values[-1])).all()
-    finally: dist.destroy_process_group()
+    finally:
+        dist.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 @pytest.mark.parametrize('mode', ['speed', 'memory', 'off'])
 def test_a_group_of_one_rank_normalizes_as_batchnorm(one_rank_gloo, mode):

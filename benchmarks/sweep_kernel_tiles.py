@@ -34,14 +34,16 @@ VARIANTS = {'default': {}, 'max_block_c=128': dict(max_block_c=128), 'max_block_
             'reduce_tile=1024': dict(reduce_tile=1024), 'reduce_tile=4096': dict(reduce_tile=4096),
             'stats_unroll=2': dict(stats_unroll=2), 'stats_unroll=8': dict(stats_unroll=8),
             'bwd_unroll=1': dict(bwd_unroll=1), 'bwd_unroll=4': dict(bwd_unroll=4),
-            'programs=512': dict(programs=512), 'programs=2048': dict(programs=2048), 'programs=4096': dict(programs=4096),
+            'stats_programs=512': dict(stats_programs=512), 'stats_programs=2048': dict(stats_programs=2048),
+            'bwd_programs=256': dict(bwd_programs=256), 'bwd_programs=1024': dict(bwd_programs=1024),
             'warps_stats=8': dict(warps_stats=8), 'warps_fwd=4': dict(warps_fwd=4), 'warps_bwd=4': dict(warps_bwd=4),
             'warps_dx=8': dict(warps_dx=8)}
 PASSES = ('stats', 'fwd', 'bwd_sums', 'bwd')
 BYTES = dict(stats=1, fwd=2, bwd_sums=2, bwd=5)   # [M, C] tensors each pass reads or writes
 # the passes that read each setting (a pass is timed only under the tilings that change what it runs)
 AFFECTS = dict(tile={'fwd', 'bwd'}, reduce_tile={'stats', 'bwd_sums', 'bwd'}, stats_unroll={'stats'},
-               bwd_unroll={'bwd_sums', 'bwd'}, max_block_c=set(PASSES), programs={'stats', 'bwd_sums', 'bwd'},
+               bwd_unroll={'bwd_sums', 'bwd'}, max_block_c=set(PASSES), stats_programs={'stats'},
+               bwd_programs={'bwd_sums', 'bwd'},
                warps_stats={'stats'}, warps_fwd={'fwd'}, warps_bwd={'bwd_sums', 'bwd'},
                warps_dx={'bwd'})
 C_H = [(64, 112), (256, 56), (512, 28), (1024, 14), (2048, 7)]   # resnet50's activations at 224 px

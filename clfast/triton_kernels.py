@@ -339,7 +339,7 @@ def _bwd_dx(g_ptr, x_ptr, prm_ptr, bd_ptr, res_ptr, out_ptr, k_ptr, dy_ptr, dres
         tl.store(dy_ptr + offs, dy.to(dy_ptr.dtype.element_ty), mask=mask)
     if WANT_DRES: tl.store(dres_ptr + offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
 
-# %% ../nbs/20_triton_kernels.ipynb #4d1e9b89
+# %% ../nbs/20_triton_kernels.ipynb #f7391ffa
 class Tiles(NamedTuple):
     """How the kernels cut the `[M, C]` rows, whatever the shape (`_plan` works out each shape's cut from it). The
     defaults are the compile report's (`clfast/KERNELS.md`: no spill, enough bytes in flight on sm_80/90/100);
@@ -349,8 +349,11 @@ class Tiles(NamedTuple):
     stats_unroll: int = 4     # accumulator tiles `_stats` loads before it adds them: more bytes in flight, same registers
     bwd_unroll: int = 2       # the same for `_bwd_sums`, which also holds dz and the activation's derivative
     max_block_c: int = 64     # channels a tile spans at most (BLOCK_C, a power of two from 16)
-    programs: int = 1024      # programs a reduction's grid aims at: a large GPU filled several times over, and a
-                              # short sum of the partials for its last program
+    stats_programs: int = 1024   # programs a reduction's grid aims at: a large GPU filled several times over, and a
+    bwd_programs: int = 512      # short sum of the partials for its last program. The backward's sums ran 1.08-1.5x
+                                 # as fast at 512 as at 1024 on an H200, on every resnet50 shape at batch 256 and 64 in
+                                 # bf16 and fp16, where the statistics ran 0.85-0.90x at batch 256 (BENCHMARKS.md,
+                                 # session 55): the two reductions' grids are set apart
     # warps per kernel, from the compile report: 8 halve `_fwd`'s and `_bwd_sums`' live values per thread (an fp32
     # tile and its residual spilled at 4 on sm_80), 4 keep more bytes in flight for the other two; and 4 for the
     # backward's sums that read act' from the output or need no coefficients (eval): at 8, sm_80's bf16
@@ -413,8 +416,8 @@ def _plan(m:int, c:int) -> _Plan:
     t = _tiles
     bc = max(16, min(t.max_block_c, _pow2(c)))
     bm, rbm, n_c, al = t.tile // bc, t.reduce_tile // bc, _cdiv(c, bc), _align(c)
-    return _Plan(c // al, al, bc, n_c, bm, (_cdiv(m, bm), n_c), rbm, *_slabs(m, c, rbm * t.stats_unroll, bc, t.programs),
-                 *_slabs(m, c, rbm * t.bwd_unroll, bc, t.programs), t)
+    return _Plan(c // al, al, bc, n_c, bm, (_cdiv(m, bm), n_c), rbm, *_slabs(m, c, rbm * t.stats_unroll, bc, t.stats_programs),
+                 *_slabs(m, c, rbm * t.bwd_unroll, bc, t.bwd_programs), t)
 
 def _acc(x:Tensor): return acc_dtype(x.dtype)   # the one rule, clfast.reference's
 

@@ -292,9 +292,10 @@ def test_layer_many_channels(dt, name, p):
 # the tilings at the ends of what `benchmarks/sweep_kernel_tiles.py` times: a 128-channel tile over 70 channels (one
 # column block, masked) with an 8-row accumulator, loaded 8 (statistics) and 1 (backward) times a step, in 3 programs;
 # and 16-channel tiles (5 column blocks) in as many programs as there are slabs
-TILINGS = {'wide': tk.Tiles(tile=2048, reduce_tile=1024, stats_unroll=8, bwd_unroll=1, max_block_c=128, programs=3),
-           'narrow': tk.Tiles(tile=1024, reduce_tile=512, stats_unroll=2, bwd_unroll=4, max_block_c=16, programs=4096,
-                              warps_stats=8, warps_fwd=4, warps_bwd=4, warps_dx=8)}
+TILINGS = {'wide': tk.Tiles(tile=2048, reduce_tile=1024, stats_unroll=8, bwd_unroll=1, max_block_c=128,
+                            stats_programs=3, bwd_programs=3),
+           'narrow': tk.Tiles(tile=1024, reduce_tile=512, stats_unroll=2, bwd_unroll=4, max_block_c=16,
+                              stats_programs=4096, bwd_programs=4096, warps_stats=8, warps_fwd=4, warps_bwd=4, warps_dx=8)}
 
 @pytest.mark.parametrize('tiling', TILINGS)
 @pytest.mark.parametrize('dt', [F64, BF16])

@@ -37,7 +37,7 @@ def test_sweep_kernel_tiles_dry_run():
     it, each tiling's results agreeing with the default's, then the best settings together or the default kept"""
     import os, subprocess
     script = Path(__file__).parents[1] / 'benchmarks' / 'sweep_kernel_tiles.py'
-    variants = ['max_block_c=128', 'programs=4096', 'tile=8192', 'stats_unroll=8']
+    variants = ['max_block_c=128', 'stats_programs=2048', 'bwd_programs=1024', 'tile=8192', 'stats_unroll=8']
     p = subprocess.run([sys.executable, str(script), '--device', 'cpu', '--dry', '--dtypes', 'bfloat16', '--variants',
                         *variants], capture_output=True, text=True, timeout=600,
                        env={**os.environ, 'TRITON_INTERPRET': '1', 'OMP_NUM_THREADS': '1'})
@@ -49,10 +49,10 @@ def test_sweep_kernel_tiles_dry_run():
     assert sections == ['stats', 'fwd', 'bwd_sums', 'bwd'], sections
     # each pass's columns: the variants whose setting it reads (`AFFECTS`), in the order given
     heads = [l for l in first.splitlines() if l.startswith('| shape |')]
-    assert heads[0].endswith('| max_block_c=128 | programs=4096 | stats_unroll=8 |')          # stats
+    assert heads[0].endswith('| max_block_c=128 | stats_programs=2048 | stats_unroll=8 |')    # stats
     assert heads[1].endswith('| max_block_c=128 | tile=8192 |')                               # fwd
-    assert heads[2].endswith('| max_block_c=128 | programs=4096 |')                           # bwd_sums
-    assert heads[3].endswith('| max_block_c=128 | programs=4096 | tile=8192 |')               # bwd
+    assert heads[2].endswith('| max_block_c=128 | bwd_programs=1024 |')                       # bwd_sums
+    assert heads[3].endswith('| max_block_c=128 | bwd_programs=1024 | tile=8192 |')           # bwd
     rows = [l for l in first.splitlines() if l.startswith('| [')]
     assert len(rows) == 4 * 2 and all(l.split(' | ')[1] == 'bfloat16' for l in rows)   # 2 shapes a pass
     assert ('The best settings together' in out and '| together |' in out) != ('the default stays' in out)
@@ -60,9 +60,9 @@ def test_sweep_kernel_tiles_dry_run():
 def test_sweep_never_chooses_a_tiling_whose_results_differed():
     "A tiling that computed another result than the default's on any shape is said and left out of the choice"
     sweep = runpy.run_path(str(Path(__file__).parents[1] / 'benchmarks' / 'sweep_kernel_tiles.py'))
-    row = lambda fast: {'copy': 1.0, 'stats': {'default': 2.0, 'max_block_c=128': fast, 'programs=4096': 1.9}}
+    row = lambda fast: {'copy': 1.0, 'stats': {'default': 2.0, 'max_block_c=128': fast, 'stats_programs=2048': 1.9}}
     res = {((256, 64, 8, 8), 'bfloat16'): row(1.0), ((64, 64, 8, 8), 'bfloat16'): row('wrong')}
     text, means = sweep['table'](res)
     assert "Results differing from the default's (never chosen): max_block_c=128" in text
-    assert set(means['stats']) == {'programs=4096'} and sweep['best_together'](means) == {'programs': 4096}
+    assert set(means['stats']) == {'stats_programs=2048'} and sweep['best_together'](means) == {'stats_programs': 2048}
     assert sweep['table']({})[0].startswith('(nothing measured')

@@ -8,10 +8,10 @@
 # compile's, which a CUDA test checks, and the tests' and the fit's compile counts show), the CUDA tests (the Triton
 # kernels and CUDA graphs against fp64, the offline compile report against the GPU's own JIT; each failure's
 # traceback kept), training through fastai's own `Learner.fit` for at most FIT_S seconds (benchmarks/bench_gpu_fit.py:
-# every setup issue 34 names, in rounds, the table last; by default fp16 at batch 256, where the rows the last GPU run
-# left short or unmeasured are: 'memory', efficientnet_b0), then with what is left the probe of the rows that lose
-# ('memory' in fp16, eager 'speed' at batch 64: benchmarks/probe_slow_gpu_rows.py), a fused layer step's host time
-# against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included), the kernels' tilings
+# every setup issue 34 names, in rounds, the table last; by default fp16 at batch 256, where the row the last GPU run
+# left short is: 'memory', 0.82x stock eagerly), then with what is left where a fused layer step's host time goes
+# (benchmarks/probe_host_time.py: synchronizations, CUDA runtime calls, Python's own time per function), a fused layer
+# step's host time against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included), the kernels' tilings
 # against the default (benchmarks/sweep_kernel_tiles.py: each pass's fraction of a copy's bandwidth, issue 34 item 5)
 # and the kernel benchmarks against stock cuDNN.
 #
@@ -90,10 +90,10 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
     # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes
     host) if [ "$(left)" -gt 60 ]; then step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50
           else echo "== host: not run ($(left)s left)"; fi ;;
-    # probe: where 'memory' loses its time in fp16 and not in bf16 (0.64x against 0.87x stock on the H200): one layer
-    # step's kernels both dtypes, then a whole resnet50 step with and without GradScaler's sync before the optimizer;
-    # and where eager 'speed' spends the host's time at batch 64 (0.80x stock there)
-    probe) if [ "$(left)" -gt 60 ]; then step probe "$(( $(left) - 25 < 110 ? $(left) - 25 : 110 ))" "$PY" benchmarks/probe_slow_gpu_rows.py --step --eager-speed
+    # probe: where a fused layer step's host time goes (1.5-1.9x stock's on the H200, session 55: no synchronization,
+    # Triton's launches from Python the largest term), each way forced, bf16 and fp32 (about 30 s; the questions of
+    # benchmarks/probe_slow_gpu_rows.py, fp16's 'memory' and eager 'speed' at batch 64, were answered there: the host)
+    probe) if [ "$(left)" -gt 60 ]; then step probe "$(( $(left) - 25 < 90 ? $(left) - 25 : 90 ))" "$PY" benchmarks/probe_host_time.py --steps 100
            else echo "== probe: not run ($(left)s left)"; fi ;;
     # tiles: each tiling setting on either side of the default, then the best together (its own compiles first, in a
     # process per core); it stops starting shapes at its --budget and prints what it measured

@@ -67,6 +67,7 @@ def main(argv=None):
     a.add_argument('--shape', nargs=4, type=int, default=[2, 64, 1, 1], help="N C H W of the layer step (tiny: the host's time alone)")
     a.add_argument('--steps', type=int, default=200, help="steps cProfile'd per way")
     a.add_argument('--dtypes', nargs='+', default=['bfloat16', 'float32'])
+    a.add_argument('--reps', type=int, default=15, help="timings of the issue time, each of 20 steps back to back")
     args = a.parse_args(argv)
     device, shape = torch.device(args.device), tuple(args.shape)
     if device.type == 'cuda':
@@ -84,7 +85,8 @@ def main(argv=None):
                 with launching():
                     for _ in range(5): step()   # compiles, first allocations, the compiled kernels' table
                     _sync(device)
-                    print(f"\n## {dt} conv-BN-add-relu, {name}: host issue {issue_us(step, device):.0f} us a step", flush=True)
+                    print(f"\n## {dt} conv-BN-add-relu, {name}: host issue {issue_us(step, device, reps=args.reps):.0f} us a step",
+                          flush=True)
                     print("  first synchronizing call:", first_sync(step, device))
                     print("  CUDA runtime calls a step:\n" + runtime_calls(step, device), flush=True)
                     print("  Python's own time a step (cProfile):\n" + python_time(step, args.steps), flush=True)

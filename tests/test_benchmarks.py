@@ -66,3 +66,15 @@ def test_sweep_never_chooses_a_tiling_whose_results_differed():
     assert "Results differing from the default's (never chosen): max_block_c=128" in text
     assert set(means['stats']) == {'stats_programs=2048'} and sweep['best_together'](means) == {'stats_programs': 2048}
     assert sweep['table']({})[0].startswith('(nothing measured')
+
+def test_probe_host_time_dry_run(capsys):
+    """The GPU script's host-time probe runs end to end on the CPU (the C++ op; no CUDA runtime calls, no
+    synchronization to catch): each way's issue time and its functions' own time, in every dtype asked"""
+    probe = runpy.run_path(str(Path(__file__).parents[1] / 'benchmarks' / 'probe_host_time.py'))
+    probe['main'](['--device', 'cpu', '--steps', '3', '--reps', '2', '--dtypes', 'float32'])
+    out = capsys.readouterr().out
+    heads = [l for l in out.splitlines() if l.startswith('## ')]
+    assert [h.split(', ', 1)[1].split(':')[0] for h in heads] == [
+        'stock modules', 'fused, Triton jit launch', 'fused, compiled launch', "fused module's stock way"]
+    assert all(float(h.split('host issue ')[1].split(' us')[0]) > 0 for h in heads)
+    assert out.count('first synchronizing call: not a CUDA device') == 4 and out.count('us own') >= 4 * 5

@@ -35,7 +35,7 @@ def _copy_ends(name:str, args, out):
     if name.startswith('_copy_from'): return args[0], args[1]   # _copy_from(src, dst)
     return (args[1] if name == 'copy' else args[0]), out       # clone/_to_copy(src), copy(self, src) -> out
 
-# %% ../nbs/10_audit.ipynb #c49fcea0
+# %% ../nbs/10_audit.ipynb #d9761dc2
 def _op_name(func) -> str: return f"aten.{func.overloadpacket.__name__}"
 
 def _strided(t) -> bool: return isinstance(t, Tensor) and t.layout == torch.strided
@@ -53,6 +53,10 @@ def _cl(t:Tensor) -> bool:
 def _other(t:Tensor) -> bool:
     "A 4D/5D tensor whose layout means something and is not channels-last"
     return cl_format(t) is not None and not is_ambiguous(t) and not is_channels_last(t)
+
+def _order(t:Tensor) -> list[int]:
+    "`t`'s dimensions of more than one element, as laid out in memory, outermost first"
+    return [d for d in sorted(range(t.dim()), key=lambda d: -t.stride(d)) if t.shape[d] > 1]
 
 def _cl_origin(t:Tensor) -> bool:
     "Channels-last, or a view of a channels-last tensor (such as the 5D view of a channel shuffle)"
@@ -77,7 +81,7 @@ class _Owners:
 class ChannelsLastError(RuntimeError):
     "Raised by `audit(..., strict=True)` at the first channels-last event"
 
-# %% ../nbs/10_audit.ipynb #a2dc7ecb
+# %% ../nbs/10_audit.ipynb #f0577763
 class _LayoutMode(TorchDispatchMode):
     "Record 'lost' and 'convert' layout events of every aten op, attributed to the running module"
     def __init__(self, names:dict, weights:list, strict=False):
@@ -106,12 +110,17 @@ class _LayoutMode(TorchDispatchMode):
             new = [o for o in outs if o.shape in shapes]
         for o in new: self.weights[o] = True
 
-    def _event(self, func, kind, ins, outs):
-        module = self.module()
-        if module in self.routed: return
+    def _routed(self, module:str) -> bool:
+        "Whether `module` is a conv clfast's routes ran another way in this run (its copies are clfast's), noted when first seen"
+        if module in self.routed: return True
         if self.phase == 'backward' and routed_backward(torch._C._current_autograd_node()):
             self.routed[module] = TIMED_BACKWARD
-            return
+            return True
+        return False
+
+    def _event(self, func, kind, ins, outs):
+        module = self.module()
+        if self._routed(module): return
         if self.strict:
             raise ChannelsLastError(
                 f"channels-last {kind} in {self.phase} at module '{module}' ({self.names.get(module, '')}), op {func}: "
@@ -125,6 +134,11 @@ class _LayoutMode(TorchDispatchMode):
         if name in _COPY_OPS:
             src, dst = _copy_ends(name, args, out)
             if not (_strided(src) and _strided(dst)) or self._is_weight(dst): return
+            # a copy in the same memory order converts nothing (a channels-last map permuted to NHWC, cast to fp32
+            # for a LayerNorm: timm's LayerNorm2dFp32 on the CPU, its LayerNorm2d under CUDA autocast)
+            if src.shape == dst.shape and _order(src) == _order(dst):
+                self._routed(self.module())   # a routed backward's casts: the route is listed all the same
+                return
             if (_cl_origin(src) and _other(dst)) or (_cl(dst) and _other(src) and not _cl_origin(src)):
                 self._event(func, 'convert', [src], [dst])
             return
@@ -205,19 +219,22 @@ class ChannelsLastReport:
         ax.set_title(self._events_header().removeprefix('ChannelsLastReport: '))
         return ax
 
-# %% ../nbs/10_audit.ipynb #4bee49a7
+# %% ../nbs/10_audit.ipynb #3e268521
 class _Preserved:
     """Set parameters' gradients aside (the audit's backward makes its own: autograd would add it into theirs, as into
-    fastai's zeroed ones) and snapshot buffers (BatchNorm statistics); restore both: auditing changes nothing"""
+    fastai's zeroed ones) and snapshot buffers (BatchNorm statistics); restore both: auditing changes nothing. Each
+    buffer is the very tensor it was, with its values: a model may assign another in its forward, of another shape"""
     def __init__(self, model:nn.Module):
         self.model = model
         self.grads = {p: p.grad for p in model.parameters()}
-        self.bufs = {(m, k): b.clone() for m in model.modules() for k, b in m._buffers.items() if b is not None}
+        self.bufs = {(m, k): (b, b.clone()) for m in model.modules() for k, b in m._buffers.items() if b is not None}
         for p in self.grads: p.grad = None
     def restore(self):
         for p, g in self.grads.items(): p.grad = g
         with torch.no_grad():
-            for (m, k), b in self.bufs.items(): m._buffers[k].copy_(b)
+            for (m, k), (b, values) in self.bufs.items():
+                b.copy_(values)
+                m._buffers[k] = b
 
 # %% ../nbs/10_audit.ipynb #f5b0a4f0
 def _install_hooks(model:nn.Module, mode:_LayoutMode) -> list:
@@ -237,15 +254,18 @@ def _install_hooks(model:nn.Module, mode:_LayoutMode) -> list:
         handles.append(m.register_forward_hook(observer(post), with_kwargs=True, always_call=True))
     return handles
 
-# %% ../nbs/10_audit.ipynb #5bfab356
+# %% ../nbs/10_audit.ipynb #8dd496a8
 def _scalar(out) -> Tensor:
     "Sum of every floating-point output that requires grad, to run the backward on"
     ts = [t.float().sum() for t in _tensors(out) if t.is_floating_point() and t.requires_grad]
+    if not ts and not torch.is_grad_enabled():
+        raise ValueError("audit(backward=True) ran under torch.no_grad() or torch.inference_mode(): no output requires "
+                         "grad; call it outside them, or pass backward=False to audit the forward only")
     if not ts: raise ValueError("audit(backward=True) needs a model output that requires grad; "
                                 "pass backward=False to audit the forward only")
     return sum(ts)
 
-# %% ../nbs/10_audit.ipynb #aa3e8705
+# %% ../nbs/10_audit.ipynb #05979ff4
 def _outside_autocast() -> contextlib.ExitStack:
     "Every autocast entered turned off, as in a fit's backward: a mixed-precision callback leaves its autocast at `after_loss`"
     stack = contextlib.ExitStack()
@@ -256,6 +276,9 @@ def _outside_autocast() -> contextlib.ExitStack:
 def audit(model:nn.Module, *inputs, backward:bool=True, strict:bool=False, loss_fn=None) -> ChannelsLastReport:
     "Run `model(*inputs)` and a backward on `loss_fn(output)` (default: the outputs' sum; outside any autocast, as a fit's), recording layout events"
     need_module(model, 'audit', 'learn.audit_channelslast()')
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError("audit: a scripted model (torch.jit.script) takes no forward hooks, which the audit needs: "
+                        "audit the model before scripting it")
     run_lazy(model, *inputs)   # lazy modules not yet run have no weights to snapshot: shaped before, outside the audit
     names = {n: type(m).__name__ for n, m in model.named_modules()}
     weights = [p for p in model.parameters() if cl_format(p) is not None]
@@ -291,7 +314,7 @@ def _learner_loss(learn:Learner, yb):
     "The learner's loss on the prediction, as its training step computes it"
     return lambda pred: learn.loss_func(pred, *yb)
 
-# %% ../nbs/10_audit.ipynb #25ac63ce
+# %% ../nbs/10_audit.ipynb #4fa1a510
 def _fit_only(cb:Callback) -> bool:
     "Callbacks whose `before_batch` needs a running fit and does not change the batch, or audits it itself"
     return isinstance(cb, (MixedPrecision, FastaiMP, ParamScheduler, ChannelsLastAudit))
@@ -305,6 +328,13 @@ def _fit_autocast(learn:Learner):
         if isinstance(cb, FastaiMP) and torch.cuda.is_available():
             return torch.autocast('cuda', dtype=torch.bfloat16 if cb.amp_mode == AMPMode.BF16 else torch.float16)
     return contextlib.nullcontext()
+
+def _batch_done(learn:Learner):
+    """What a fit's step leaves after its forward: clfast's `ChannelsLast` leaves `recomputed_outputs()`, which its
+    `before_batch` entered for the 'memory' layers (`clfast.recompute`; here: clfast.callback imports this module)"""
+    from .callback import ChannelsLast
+    for cb in learn.cbs:
+        if isinstance(cb, ChannelsLast): cb._leave_recompute()
 
 def _fit_batch(learn:Learner, b):
     """The (xb, yb) of batch `b` as the training step of `fit` gets them: on the model's device, after `before_batch`
@@ -330,7 +360,7 @@ def _not_channels_last(learn:Learner) -> str|None:
     return ("not audited: the model is not channels-last (no ChannelsLast callback, contiguous weights), so training "
             "never runs channels-last; call `learn.to_channelslast()` first")
 
-# %% ../nbs/10_audit.ipynb #e420bfa4
+# %% ../nbs/10_audit.ipynb #8add9e8d
 @patch
 def audit_channelslast(self:Learner, n_batches:int=1, strict:bool=False) -> ChannelsLastReport:
     "Audit the learner's model on its first `n_batches` training batches, each as `fit` hands it to the model, under the autocast its fit trains in"
@@ -339,20 +369,24 @@ def audit_channelslast(self:Learner, n_batches:int=1, strict:bool=False) -> Chan
     if why: return ChannelsLastReport(note=why)
     model = self.model
     state = {k: self.__dict__[k] for k in _STEP_ATTRS if k in self.__dict__}
-    if has_unrun_lazy(model):   # lazy modules shaped first, by the first batch: their weights are then put back as made
-        with _RNGStates(self.dls.train): xb, _ = _fit_batch(self, sum(_train_batches(self, 1)[0], ()))
-        run_lazy(model_to(model), *xb)
     flags = [(m, m.training) for m in model.modules()]
     report = ChannelsLastReport()
     try:
+        if has_unrun_lazy(model):   # lazy modules shaped first, by the first batch, in the model's own layouts
+            with _RNGStates(self.dls.train):
+                try: xb, _ = _fit_batch(self, sum(_train_batches(self, 1)[0], ()))
+                finally: _batch_done(self)
+            run_lazy(model, *xb)
         # as `ChannelsLast.before_fit`; after it the very tensors the model had (same layout, values, gradients)
         with model_in_format(model, channels_last=True):
             model.train()
             with _RNGStates(self.dls.train):   # the batches drawn, MixUp's draws: the next fit shuffles as it would have
                 for b in _train_batches(self, n_batches):
-                    xb, yb = _fit_batch(self, (*b[0], *b[1]))
-                    with _fit_autocast(self):   # the precision the fit trains in: in bf16 other copies show, or none
-                        report = report + audit(model, *xb, strict=strict, loss_fn=_learner_loss(self, yb))
+                    try:
+                        xb, yb = _fit_batch(self, (*b[0], *b[1]))
+                        with _fit_autocast(self):   # the precision the fit trains in: in bf16 other copies show, or none
+                            report = report + audit(model, *xb, strict=strict, loss_fn=_learner_loss(self, yb))
+                    finally: _batch_done(self)
     finally:   # and the learner's step state
         for m, t in flags: m.training = t
         for k in _STEP_ATTRS:

@@ -463,3 +463,73 @@ def test_a_fused_model_is_audited_fused():
         chain.register_forward_pre_hook(observer(lambda mod, args: unfused.append(mod.runs_unfused())))
     audit(m, torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last))
     assert unfused == [False, False, False]
+
+# --- session 55's review: what the audit left changed, and a copy it misread ---
+
+def test_a_copy_in_the_same_memory_order_is_no_convert():
+    """A channels-last map permuted to NHWC and cast to fp32 (timm's LayerNorm2dFp32; its LayerNorm2d under CUDA
+    autocast) keeps its memory order: no event. Judged by its permuted shape alone it read as a 'convert'"""
+    from timm.layers import LayerNorm2dFp32
+    m = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), LayerNorm2dFp32(8), nn.Conv2d(8, 8, 3, padding=1))
+    with torch.autocast('cpu', dtype=torch.bfloat16): r = cl_audit(m)
+    assert r.ok, r.events
+    # a copy that does change the order still shows
+    r = cl_audit(Wrap(nn.Identity(), tail=lambda x: x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2) + 0))
+    assert r.ok
+    assert not cl_audit(Wrap(nn.Identity(), tail=lambda x: x.contiguous())).ok
+
+class _SizedCache(nn.Module):
+    "A buffer rebuilt in the forward when the input's size differs from it (trains as any model)"
+    def __init__(self): super().__init__(); self.register_buffer('pos', torch.zeros(1, 1, 4, 4), persistent=False)
+    def forward(self, h):
+        if self.pos.shape[-2:] != h.shape[-2:]: self.pos = torch.zeros(1, 1, *h.shape[-2:])
+        return h + self.pos
+
+def test_a_buffer_assigned_anew_in_the_forward_is_put_back():
+    "The audit restored buffers by copying into whatever tensor was there: another shape's raised, and the BNs after it kept the audit's update"
+    m = model_to(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _SizedCache(), nn.BatchNorm2d(8)))
+    pos, mean = m[1].pos, m[2].running_mean.clone()
+    assert audit(m, to_channels_last(torch.randn(2, 3, 16, 16))).ok
+    assert m[1].pos is pos and pos.shape == (1, 1, 4, 4)
+    assert torch.equal(m[2].running_mean, mean) and m[2].num_batches_tracked.item() == 0
+
+def test_audit_says_what_to_do_for_no_grad_and_scripted_models():
+    m = model_to(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()))
+    x = to_channels_last(torch.randn(2, 3, 8, 8))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"no_grad\(\) or torch.inference_mode\(\).*backward=False"): audit(m, x)
+    with pytest.raises(TypeError, match='before scripting it'): audit(torch.jit.script(m), x)
+
+def test_audit_of_a_memory_learner_leaves_no_saved_tensor_hooks():
+    """`ChannelsLast.before_batch` enters `recomputed_outputs()` for 'memory' layers, and a fit's `after_pred` leaves it;
+    the audit never did: a global saved-tensors hook stayed on, one more each audit, in the fits and code after it"""
+    from helpers import tiny_learner
+    import clfast.callback   # noqa: F401
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    learn = tiny_learner().to_channelslast(use_amp=False, fuse='memory')
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)   # the fit decides: the model has 'memory' layers
+    assert learn.channels_last.recompute and top(False) is None
+    for _ in range(2): learn.audit_channelslast(n_batches=2)
+    assert top(False) is None and learn.channels_last.recomputing is None
+
+class _PartlyLazy(nn.Module):
+    def __init__(self, in_features=8):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.body = nn.Sequential(nn.LazyConv2d(8, 3, padding=1), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(in_features, 2))
+    def forward(self, x): return self.head(self.body(self.stem(x)))
+
+@pytest.mark.parametrize('in_features', [8, 7])   # 7: the head does not fit, and the shaping forward raises
+def test_audit_of_lazy_modules_leaves_the_learner_as_it_was(in_features):
+    """The lazy modules' shaping ran outside the audit's restore: it left the model's other weights channels-last, and
+    a forward that raised there left the learner's step state (training, xb, yb, ...) set"""
+    from fastai.vision.all import Learner
+    from helpers import image_dls
+    import clfast.callback   # noqa: F401
+    learn = Learner(image_dls(), _PartlyLazy(in_features), loss_func=CrossEntropyLossFlat()).to_channelslast(use_amp=False)
+    w, before = learn.model.stem.weight, {k: learn.__dict__.get(k) for k in ('xb', 'yb', 'training', 'iter', 'dl', 'n_iter')}
+    if in_features == 8: assert learn.audit_channelslast().ok
+    else:
+        with pytest.raises(RuntimeError, match='cannot be multiplied'): learn.audit_channelslast()
+    assert learn.model.stem.weight is w and not is_channels_last(w)
+    assert {k: learn.__dict__.get(k) for k in before} == before

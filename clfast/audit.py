@@ -314,7 +314,7 @@ def _learner_loss(learn:Learner, yb):
     "The learner's loss on the prediction, as its training step computes it"
     return lambda pred: learn.loss_func(pred, *yb)
 
-# %% ../nbs/10_audit.ipynb #4fa1a510
+# %% ../nbs/10_audit.ipynb #e331ac82
 def _fit_only(cb:Callback) -> bool:
     "Callbacks whose `before_batch` needs a running fit and does not change the batch, or audits it itself"
     return isinstance(cb, (MixedPrecision, FastaiMP, ParamScheduler, ChannelsLastAudit))
@@ -332,7 +332,7 @@ def _fit_autocast(learn:Learner):
 def _batch_done(learn:Learner):
     """What a fit's step leaves after its forward: clfast's `ChannelsLast` leaves `recomputed_outputs()`, which its
     `before_batch` entered for the 'memory' layers (`clfast.recompute`; here: clfast.callback imports this module)"""
-    from .callback import ChannelsLast
+    from clfast.callback import ChannelsLast
     for cb in learn.cbs:
         if isinstance(cb, ChannelsLast): cb._leave_recompute()
 

@@ -113,11 +113,11 @@ def coverage(models:list[tuple[str, str]], size:int=64, bs:int=2, verbose:bool=T
                            f"{rows[-1]['seconds']}s"), flush=True)
     return pd.DataFrame(rows)
 
-# %% ../nbs/11_audit_models.ipynb #f6a981a4
+# %% ../nbs/11_audit_models.ipynb #85d016cc
 def _models(source:str, names:list[str]|None) -> list[tuple[str, str]]:
     "The (name, source) pairs to audit"
     if names:
-        if source == 'all': raise SystemExit("--models needs --source torchvision or --source timm")
+        if source == 'all': raise SystemExit("clfast audit-models: --models needs --source torchvision or --source timm")
         for n in names:   # a misspelt name stops here, before a long audit, rather than as an error row of the table
             try: classifier_source(n, source)
             except ValueError as e: raise SystemExit(f"clfast audit-models: {e}") from None
@@ -126,14 +126,18 @@ def _models(source:str, names:list[str]|None) -> list[tuple[str, str]]:
     tm = [(n, 'timm') for n in TIMM_MODELS]
     return {'all': tv + tm, 'torchvision': tv, 'timm': tm}[source]
 
-# %% ../nbs/11_audit_models.ipynb #8f6b3585
+# %% ../nbs/11_audit_models.ipynb #a4bd8d6c
 def main(a:argparse.Namespace):
     "`clfast audit-models`, given its options (`clfast.cli.audit_models_parser`): writes the channels-last coverage table as <out>.md and <out>.csv"
-    df = coverage(_models(a.source, a.models), size=a.size, bs=a.bs)
+    models = _models(a.source, a.models)
     out = Path(a.out)
     if out.suffix in ('.md', '.csv'): out = out.with_suffix('')   # (only those: `--out cov_torch2.5` keeps its '.5')
-    out.parent.mkdir(parents=True, exist_ok=True)
     md, csv = Path(f"{out}.md"), Path(f"{out}.csv")
+    try:   # where the files go, before the audit (the whole zoo's is long): it was found unwritable only at its end
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for f in (md, csv): f.touch()
+    except OSError as e: raise SystemExit(f"clfast audit-models: cannot write {md} and {csv} ({e}); give --out a writable path") from None
+    df = coverage(models, size=a.size, bs=a.bs)
     df.to_csv(csv, index=False)
     md.write_text(to_markdown(df))
     print(f"wrote {md} and {csv}")

@@ -168,7 +168,7 @@ def _register_chooser():
                     "int[] dilation, int groups, int needs, bool rows, int[] ways) -> int")
     _chooser.impl('choose_backward', _choose_backward, 'CPU')
 
-# %% ../nbs/22_cpu_kernels.ipynb #f5865854
+# %% ../nbs/22_cpu_kernels.ipynb #388e5ef5
 PACKAGE = Path(clfast.__file__).parent
 
 def levels_here() -> list[str]:
@@ -209,10 +209,16 @@ def build(levels:list[str]|None=None) -> dict:
     took = {}
     for level in levels:
         t = time.perf_counter()
+        if is_built(level) and not _sealed(level):   # as `load`: a library not as built (corrupted, a killed build's) goes
+            _say(f"the cached C++ CPU kernels at level {level} are not as built (corrupted, or left by a killed build); rebuilding ...")
+            shutil.rmtree(_cached_library(level).parent, ignore_errors=True)
         # sealed as `load` seals what it builds: else the next load takes it for a killed build's and builds it again
         p = subprocess.run([sys.executable, '-c', f"from clfast import cpu_kernels as c; c._build({level!r}, False); c._seal({level!r})"],
                            env={**os.environ, ISA_CAP_ENV: level}, capture_output=True, text=True)
-        if p.returncode: raise RuntimeError(f"the C++ CPU kernels did not build at level {level}:\n{p.stderr[-4000:]}")
+        if p.returncode:
+            how = f"exit status {p.returncode}" if p.returncode > 0 else f"killed by signal {-p.returncode}"
+            raise RuntimeError(f"the C++ CPU kernels did not build at level {level} ({how}; delete "
+                               f"{_cached_library(level).parent} to start afresh):\n{p.stderr[-4000:]}")
         took[level] = time.perf_counter() - t
     return took
 
@@ -227,8 +233,15 @@ def main(options) -> int:
     except ValueError as e:   # a level this CPU does not run: one line, as a bad option's (it was a traceback)
         print(f"clfast build: {e}", file=sys.stderr)
         return 2
-    print(f"clfast: building the C++ CPU kernels for torch {torch.__version__} into {_cached_library().parent.parent} ...", flush=True)
-    took = build(levels)
+    try:
+        print(f"clfast: building the C++ CPU kernels for torch {torch.__version__} into {_cached_library().parent.parent} ...", flush=True)
+        took = build(levels)
+    except RuntimeError as e:   # no compiler, a failed build: what it said, without the traceback
+        print(f"clfast build: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:   # torch's extension cache cannot be made
+        print(f"clfast build: {e}: set TORCH_EXTENSIONS_DIR to a writable folder", file=sys.stderr)
+        return 1
     for level, t in took.items(): print(f"  {level:<8} {t:5.0f} s", flush=True)
     return 0
 

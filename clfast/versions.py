@@ -8,7 +8,7 @@ from __future__ import annotations
 # %% auto #0
 __all__ = ['torch_requirement', 'check_torch']
 
-# %% ../nbs/00a_versions.ipynb #d1a0e005
+# %% ../nbs/00a_versions.ipynb #7e83274b
 def torch_requirement() -> str|None:
     "The torch requirement clfast is installed with (its package metadata, from settings.ini), or None where it is not installed"
     from importlib.metadata import requires, PackageNotFoundError
@@ -21,13 +21,15 @@ def check_torch(version:str|None=None):
     its metadata: `import clfast` checks it without importing torch, which `clfast --help` does not need) is outside it"""
     from importlib.metadata import version as installed, PackageNotFoundError
     from packaging.requirements import Requirement
-    from packaging.version import Version
+    from packaging.version import Version, InvalidVersion
     req = torch_requirement()
     if req is None: return
     try: version = version or installed('torch')
     except PackageNotFoundError: return   # no torch installed: its import will say so
     spec = Requirement(req).specifier
-    if not spec.contains(Version(version.split('+')[0]), prereleases=True):   # a nightly counts as its release
+    try: release = Version(Version(version).base_version)   # a nightly, a pre-release or a source build as its release
+    except InvalidVersion: return   # not a version packaging reads (no torch wheel's): nothing to compare
+    if not spec.contains(release):
         from clfast import __version__
         raise ImportError(f"clfast {__version__} runs on torch{spec}, this is torch {version}: install a torch "
                           f"in that range (pip install 'torch{spec}' and the torchvision built for it)")

@@ -150,3 +150,36 @@ def test_check_takes_its_channels_and_says_what_a_model_cannot_take(tmp_path, mo
         main(['check', '--arch', 'resnet18', '--channels', '1'])
     assert main(['check', '--arch', 'inception_v3', '--size', '32']) == 2
     assert "clfast check: inception_v3 cannot run on a 3x32x32 input:" in capsys.readouterr().err
+
+def _cli(*args, **env):
+    "`clfast ARGS` in a fresh interpreter, with `env` added to the environment"
+    return subprocess.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))', *args],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+
+@pytest.mark.parametrize('args,env,msg', [
+    (['bench', '--arch', 'resnet18', '--device', 'foo'], {}, "clfast bench: error: device 'foo' is not one torch knows"),
+    (['bench', '--arch', 'resnet18', '--device', 'cuda'], {}, "clfast bench: error: device 'cuda': no CUDA GPU here; use cpu"),
+    (['check', '--arch', 'resnet18'], {'CLFAST_MAX_CPU_ISA': 'bogus'}, "clfast check: error: CLFAST_MAX_CPU_ISA='bogus' is not a clfast CPU level"),
+    (['build'], {'CXX': '/nonexistent/c++'}, "clfast build: cannot build the C++ CPU kernels: no C++ compiler"),
+    (['build'], {'TORCH_EXTENSIONS_DIR': '/proc/nope'}, "set TORCH_EXTENSIONS_DIR to a writable folder")])
+def test_bad_input_found_after_the_options_is_one_line(args, env, msg):
+    "What the options cannot show (no such device here, a bad level or compiler, an unwritable cache): one line, no traceback"
+    if 'cuda' in args:
+        import torch
+        if torch.cuda.is_available(): pytest.skip('a CUDA GPU is here')
+    r = _cli(*args, **env)
+    assert r.returncode in (1, 2) and msg in r.stderr and 'Traceback' not in r.stderr, r.stderr[-2000:]
+
+def test_audit_models_refuses_an_unwritable_out_before_auditing():
+    r = _cli('audit-models', '--source', 'torchvision', '--models', 'resnet18', '--out', '/proc/nope/cov')
+    assert r.returncode == 1 and 'give --out a writable path' in r.stderr and 'Traceback' not in r.stderr
+    assert '[1/1]' not in r.stdout, r.stdout   # nothing audited first
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """`clfast check | head -1` (its full listing is thousands of lines): the reader leaving is no error (it was a
+    BrokenPipeError traceback). The command's listing stands in for the real one, long enough to outlast the pipe"""
+    code = ("import sys, clfast.check as c; c.main = lambda o: [print('x' * 80) for _ in range(100_000)] and 0\n"
+            "from clfast.cli import main; sys.exit(main(['check']))")
+    sh = subprocess.run(f"{sys.executable} -c \"{code}\" | head -c 1; exit ${{PIPESTATUS[0]}}", shell=True,
+                        executable='/bin/bash', capture_output=True, text=True, timeout=300)
+    assert sh.returncode == 0 and 'Traceback' not in sh.stderr, sh.stderr[-2000:]

@@ -3,7 +3,8 @@ import subprocess, sys
 import pytest
 from clfast.versions import torch_requirement
 
-@pytest.mark.parametrize('version,ok', [('2.3.1', False), ('3.0.0.dev20270101+cu130', False), ('2.4.0+cpu', True)])
+@pytest.mark.parametrize('version,ok', [('2.3.1', False), ('3.0.0.dev20270101+cu130', False), ('2.4.0+cpu', True),
+                                        ('2.4.0a0+git1234', True), ('2.4.0rc1', True)])   # a source build, a pre-release: as their release
 def test_import_names_the_admitted_torch_range(version, ok, tmp_path):
     """`import clfast` where the installed torch (its metadata: a dist-info found first on the path, as a torch
     installed after clfast would be) is outside the range clfast's metadata admits: an ImportError naming the range

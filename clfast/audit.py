@@ -35,7 +35,7 @@ def _copy_ends(name:str, args, out):
     if name.startswith('_copy_from'): return args[0], args[1]   # _copy_from(src, dst)
     return (args[1] if name == 'copy' else args[0]), out       # clone/_to_copy(src), copy(self, src) -> out
 
-# %% ../nbs/10_audit.ipynb #d9761dc2
+# %% ../nbs/10_audit.ipynb #bebd359d
 def _op_name(func) -> str: return f"aten.{func.overloadpacket.__name__}"
 
 def _strided(t) -> bool: return isinstance(t, Tensor) and t.layout == torch.strided
@@ -46,17 +46,27 @@ def _tensors(o) -> list[Tensor]:
 
 def _layout_str(t:Tensor) -> str: return f"{tuple(t.shape)} strides {t.stride()}"
 
+def _order(t:Tensor) -> list[int]:
+    "`t`'s dimensions of more than one element, as laid out in memory, outermost first"
+    return [d for d in sorted(range(t.dim()), key=lambda d: -t.stride(d)) if t.shape[d] > 1]
+
 def _cl(t:Tensor) -> bool:
     "A channels-last 4D/5D tensor whose layout means something (not ambiguous)"
     return is_image_tensor(t) and is_channels_last(t)
 
+def _cl_ordered(t:Tensor) -> bool:
+    """Channels-last, or laid out in channels-last's order without being dense: a channel slice (`chunk`, `split`) or a
+    spatial crop of a channels-last map, which an op given it should keep channels-last too"""
+    if _cl(t): return True
+    # (a broadcast, stride 0 along a dimension, is no map: selective kernels' attention expanded over the branches)
+    if not is_image_tensor(t) or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)): return False
+    order = _order(t)
+    cl = [d for d in (0, *range(2, t.dim()), 1) if t.shape[d] > 1]
+    return order == cl and order != [d for d in range(t.dim()) if t.shape[d] > 1]
+
 def _other(t:Tensor) -> bool:
     "A 4D/5D tensor whose layout means something and is not channels-last"
     return cl_format(t) is not None and not is_ambiguous(t) and not is_channels_last(t)
-
-def _order(t:Tensor) -> list[int]:
-    "`t`'s dimensions of more than one element, as laid out in memory, outermost first"
-    return [d for d in sorted(range(t.dim()), key=lambda d: -t.stride(d)) if t.shape[d] > 1]
 
 def _cl_origin(t:Tensor) -> bool:
     "Channels-last, or a view of a channels-last tensor (such as the 5D view of a channel shuffle)"
@@ -81,7 +91,7 @@ class _Owners:
 class ChannelsLastError(RuntimeError):
     "Raised by `audit(..., strict=True)` at the first channels-last event"
 
-# %% ../nbs/10_audit.ipynb #f0577763
+# %% ../nbs/10_audit.ipynb #0b052329
 class _LayoutMode(TorchDispatchMode):
     "Record 'lost' and 'convert' layout events of every aten op, attributed to the running module"
     def __init__(self, names:dict, weights:list, strict=False):
@@ -143,7 +153,7 @@ class _LayoutMode(TorchDispatchMode):
                 self._event(func, 'convert', [src], [dst])
             return
         if any(r.alias_info is not None for r in func._schema.returns): return   # views and in-place ops
-        ins = [t for t in _tensors((args, kwargs)) if _cl(t) and not self._is_weight(t)]
+        ins = [t for t in _tensors((args, kwargs)) if _cl_ordered(t) and not self._is_weight(t)]
         if not ins: return
         ranks = {t.dim() for t in ins}   # a stack of 4D maps into 5D has no channels-last meaning to lose
         bad = [t for t in _tensors(out) if t.dim() in ranks and _other(t) and not self._is_weight(t)]

@@ -533,3 +533,17 @@ def test_audit_of_lazy_modules_leaves_the_learner_as_it_was(in_features):
         with pytest.raises(RuntimeError, match='cannot be multiplied'): learn.audit_channelslast()
     assert learn.model.stem.weight is w and not is_channels_last(w)
     assert {k: learn.__dict__.get(k) for k in before} == before
+
+class _HalfSoftmax(nn.Module):
+    "A channel split (CSP, GhostNet, ShuffleNetV2): an op on half the channels, then the halves joined"
+    def __init__(self): super().__init__(); self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+    def forward(self, x):
+        a, b = self.c1(x).chunk(2, 1)
+        return self.c2(torch.cat([a.softmax(1), b], 1))
+
+def test_an_op_on_a_channel_slice_that_drops_the_format_is_found():
+    """A channel slice of a channels-last map is laid out in its order without being dense: an op given one that
+    allocates NCHW lost the format as on the whole map (the audit saw only dense inputs: timm's dpn68 read clean with
+    88 NCHW gradients from `slice_backward`). A broadcast is no map (skresnet18 stays clean: `test_rank_change_is_not_lost`)"""
+    r = cl_audit(_HalfSoftmax())
+    assert {('', 'aten._softmax', 'forward', 'lost'), ('', 'aten.cat', 'forward', 'lost')} <= set(rows(r)), r

@@ -195,6 +195,24 @@ def _traced_step(traced, m, stock, x, train):
     for p in [*traced.parameters(), *stock.parameters()]: p.grad = None
     return (out.double() - want).abs().max().item(), (xa.grad.double() - x64.grad).abs().max().item(), grad, state
 
+@pytest.mark.parametrize('name', ['mixnet_s', 'mobilenetv3_small_050'])
+def test_timms_feature_extractor_of_a_fused_model_computes_the_stock_one(name):
+    """timm's `create_feature_extractor` makes a module a leaf by its class, and a pass-through BN is a BatchNormAct2d:
+    its graph ran the fused conv as a plain conv and the leaf BN as the identity, the BN's work lost (mixnet_s's logits
+    1.5e3 off against 6e-3). A pass-through does its own work on any tensor but its chain's own output. Against the
+    stock model's extractor in float64, in eval"""
+    from timm.models import create_feature_extractor
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    stock = timm.create_model(name, num_classes=3).double().eval()
+    fused = fuse_conv_bn(copy.deepcopy(stock))
+    with torch.no_grad():
+        want = create_feature_extractor(stock, ['classifier'])(x)['classifier']
+        got = create_feature_extractor(fused, ['classifier'])(x)['classifier']
+        assert (got - want).abs().max().item() < 1e-12 * want.abs().max().item() + 1e-15
+        assert (fused(x) - want).abs().max().item() < 1e-12 * want.abs().max().item() + 1e-15
+    assert is_fused(fused)
+
 @pytest.mark.parametrize('model', ['resnet18', 'timm'])
 def test_symbolic_trace_and_feature_extraction(model):
     """torch.fx's symbolic trace of a fused model (torchvision's `create_feature_extractor`) records the stock modules'

@@ -95,8 +95,12 @@ def test_hooks_see_the_stock_modules_work():
     for h in hooks: h.remove()
     assert not m.conv1.runs_unfused() and not m.layer2[0].runs_unfused()
     assert fusion_report(m).hooked == []
-    t = torch.randn(2, 64, 4, 4)
-    assert m.bn1(t) is t   # a pass-through again
+    with torch.no_grad():   # a pass-through again: its chain's own output passes; any other tensor it normalizes (eval)
+        y = m.conv1(X.to(memory_format=torch.channels_last))
+        assert m.bn1(y) is y
+        t, bn = torch.randn(2, 64, 4, 4), m.bn1
+        want = torch.nn.functional.batch_norm(t, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0., bn.eps)
+        assert torch.allclose(bn(t), want, atol=1e-6)
 
 def test_global_hooks_see_the_stock_modules_work():
     """A hook every module runs (`register_module_forward_hook` / `register_module_full_backward_hook`) saw a fused

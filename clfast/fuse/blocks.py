@@ -20,7 +20,7 @@ from ..fused import FusedConvBN2d, _FusedMixin, _FusedChain, _link, _stock_block
 # %% auto #0
 __all__ = ['KNOWN_BLOCKS', 'BlockHandler', 'register_block']
 
-# %% ../../nbs/24b_fuse_blocks.ipynb #9e83f6f0
+# %% ../../nbs/24b_fuse_blocks.ipynb #6455bf7f
 def _is(m, cls): return type(m) is cls
 
 _CONV_SAME, _MIXED = 'timm.layers.conv2d_same.Conv2dSame', 'timm.layers.mixed_conv2d.MixedConv2d'
@@ -82,7 +82,7 @@ def _mixed_forward(self, x:Tensor) -> Tensor:
         if _qual(type(c)) == _CONV_SAME: xi = _pad_same(xi, c)
         outs.append(conv_bn_act(xi, c, _bn_slice(bn, s, s + c.out_channels, s == 0), None, self.act, self.act_param, self.mode))
         s += c.out_channels
-    return torch.cat(outs, 1)
+    return self._did(torch.cat(outs, 1))
 
 def _mixed_class(stock:type) -> type:
     "timm's `MixedConv2d` whose split convs each run fused with their slice of the BN after it"

@@ -176,7 +176,7 @@ def _events_given(cbs:list) -> dict:
         res.update({k: getattr(v, '__func__', v) for k, v in given.items()})
     return res
 
-# %% ../nbs/02_callback.ipynb #c26ee7ba
+# %% ../nbs/02_callback.ipynb #647ae172
 def _graphs_cb(if_faster:bool, attached:list) -> CudaGraphs:
     "The `CudaGraphs` that `to_channelslast(graphs=...)` attaches: an attached one's `max_graphs` kept, and its warm-up where it measured as asked"
     if not attached: return CudaGraphs(if_faster=if_faster)
@@ -214,12 +214,18 @@ def to_channelslast(self:Learner,
     new_amp = MixedPrecision(amp_mode, **kwargs) if use_amp else None   # its arguments checked before anything changes
     old_cl, old_graphs = _find_cbs(self, fastai_cl.ChannelsLast, ChannelsLast), _find_cbs(self, CudaGraphs)
     self.remove_cbs(old_cl + old_graphs)
-    self.add_cb(cl := ChannelsLast(fuse=fuse, **_events_given(old_cl)))   # the user's event functions kept
-    if graphs: self.add_cb(_graphs_cb(graphs == 'if_faster', old_graphs))
-    if fuse: cl.fuse_model()       # now, so that mode switches and `fusion_report` apply at once
-    elif is_fused(self.model): unfuse_conv_bn(self.model)
-    guard_model(self.model, _model_device(self))   # for where it will train; `before_fit` decides again
-    compile_model(self.model, compile)
+    added = [cl := ChannelsLast(fuse=fuse, **_events_given(old_cl))]   # the user's event functions kept
+    if graphs: added.append(_graphs_cb(graphs == 'if_faster', old_graphs))
+    self.add_cbs(added)
+    try:
+        if fuse: cl.fuse_model()       # now, so that mode switches and `fusion_report` apply at once
+        elif is_fused(self.model): unfuse_conv_bn(self.model)
+        guard_model(self.model, _model_device(self))   # for where it will train; `before_fit` decides again
+        compile_model(self.model, compile)
+    except BaseException:   # (a fusion refused: a CPU SyncBatchNorm it cannot fuse) the callbacks as they were
+        self.remove_cbs(added)
+        self.add_cbs(old_cl + old_graphs)
+        raise
     old = _find_cbs(self, MixedPrecision, fastai_fp16.MixedPrecision)
     if not use_amp or (old and not explicit):   # keep what is attached, as clfast's device-aware callback
         for cb in _find_cbs(self, fastai_fp16.MixedPrecision):

@@ -690,3 +690,21 @@ def test_format_find_on_one_rank_is_refused(tmp_path):
     assert r0['err'] and 'rank(s) 1 did not within 2 s' in r0['err'] and 'on every rank' in r0['err'], r0['err']
     assert 2 <= r0['took'] < 10 and r0['unchanged']
     assert r0['df'].equals(r1['df']) and (r0['df'].error == '').all()
+
+def test_a_refused_cpu_sync_bn_leaves_the_learner_as_it_was(one_rank_gloo):
+    """`to_channelslast(fuse=...)` of a model with a CPU SyncBatchNorm clfast cannot fuse (timm's, with a Tanh) is
+    refused, as before; but it was refused after the model had been fused and the learner's callbacks swapped"""
+    from fastai.vision.all import Learner
+    from timm.layers.norm_act import SyncBatchNormAct
+    from helpers import image_dls
+    import clfast.callback   # noqa: F401
+    # made synchronized directly (PyTorch's and timm's converters are clfast's once a model was fused: they refuse it)
+    bn_act = SyncBatchNormAct(4)   # as timm's converter makes it
+    bn_act.act, bn_act.drop = nn.Tanh(), nn.Identity()
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4), nn.ReLU(), nn.Conv2d(4, 4, 3), bn_act,
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2))
+    learn = Learner(image_dls(), m, loss_func=nn.CrossEntropyLoss()).to_fp16()
+    cbs, kinds, params = list(learn.cbs), [type(c) for c in m.modules()], list(m.parameters())
+    with pytest.raises(RuntimeError, match='SyncBatchNorm on the CPU'): learn.to_channelslast(fuse='speed', amp_mode='bf16')
+    assert list(learn.cbs) == cbs and learn.model is m
+    assert [type(c) for c in m.modules()] == kinds and all(a is b for a, b in zip(m.parameters(), params))

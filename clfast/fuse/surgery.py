@@ -247,7 +247,7 @@ class _Tracer(fx.Tracer):
         # run at all; hooks there are `runs_unfused`'s
         return super().call_module(m, m.forward, args, kwargs)
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #e09324bf
+# %% ../../nbs/24d_fuse_surgery.ipynb #e79af15c
 def _fused_chains(model:nn.Module) -> list:
     "The fused chains `fuse_conv_bn` made in `model`: `FusedConvBN2d`s and timm's MixedConv2d's, whose `mode` it sets"
     return [m for m in model.modules() if isinstance(m, _FusedChain) and m.__dict__.get('surgical')]
@@ -261,6 +261,7 @@ def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Mo
     "Fuse conv → BN (→ activation) (+ add) in `model` in place, keeping parameters and `state_dict`; idempotent, switches mode"
     need_module(model, 'fuse_conv_bn')
     check_mode(mode)
+    was_fused = is_fused(model)
     _install_sync_converter()   # from now on PyTorch's (and timm's) converter must know fused layers
     _watch_registrations()   # and a module put in place of a fused chain's must compute as in the stock model
     for m in _fused_chains(model): m.__dict__['mode'] = mode
@@ -273,7 +274,9 @@ def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Mo
     _reports[model] = report
     if verbose: print(report)
     # converted before fusing: SyncBatchNorms left unfused cannot run on the CPU as PyTorch's; clfast's precise BN can
-    if refused := _cpu_sync_refusals(model, cls=nn.SyncBatchNorm): _refuse_cpu_sync(model, refused, 'are')
+    if refused := _cpu_sync_refusals(model, cls=nn.SyncBatchNorm):
+        if not was_fused: _as_stock(model)   # refused with the model as it was (which BNs stay unfused shows only now)
+        _refuse_cpu_sync(model, refused, 'are')
     return _precise_cpu_sync(model)
 
 def _precise_cpu_sync(model:nn.Module) -> nn.Module:
@@ -284,10 +287,14 @@ def _precise_cpu_sync(model:nn.Module) -> nn.Module:
 def unfuse_conv_bn(model:nn.Module) -> nn.Module:
     "Turn every module `fuse_conv_bn` fused back into its stock class in place (a synchronized BN on the CPU: clfast's precise one, which runs there); idempotent"
     need_module(model, 'unfuse_conv_bn')
+    return _precise_cpu_sync(_as_stock(model))   # a synchronized fused BN unfuses to a SyncBatchNorm
+
+def _as_stock(model:nn.Module) -> nn.Module:
+    "`model` with every module `fuse_conv_bn` fused its stock class again, sharing its parameters and buffers"
     replace_modules(model, {m: m._stock_module() for m in model.modules()
                             if isinstance(m, _FusedMixin) and getattr(m, 'surgical', True)})
     _reports.pop(model, None)
-    return _precise_cpu_sync(model)   # a synchronized fused BN unfuses to a SyncBatchNorm
+    return model
 
 # %% ../../nbs/24d_fuse_surgery.ipynb #66156328
 _registration_hook = None   # torch's handle of `_on_module_registered`, once `fuse_conv_bn` installed it

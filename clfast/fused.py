@@ -396,7 +396,7 @@ def _link(fused:_FusedChain, bn:_PassThrough, act:_PassThrough|None=None) -> _Fu
         if m is not None: m.__dict__['_fused_by'] = fused
     return fused
 
-# %% ../nbs/23_fused.ipynb #eaec65f1
+# %% ../nbs/23_fused.ipynb #c03c6ef9
 def _act_spec(act, act_param, relu, default):
     "`(name, param)` from `act` (a name, a module) or the older `relu=True/False` spelling, else `default`"
     if relu is not None and act is not None: raise ValueError(f"give either relu={relu} or act={act!r}, not both")
@@ -407,7 +407,7 @@ def _act_spec(act, act_param, relu, default):
 class FusedConvBN2d(_FusedChain, nn.Conv2d):
     "Conv2d → BatchNorm2d (→ + residual) (→ activation) in one op; parameters and state_dict as the stock modules"
     _stock_class = nn.Conv2d
-    _own_attrs = ('_fused_bn', '_fused_act', 'opened', 'act', 'act_param', 'mode', 'surgical', '_cl_guard')
+    _own_attrs = ('_fused_bn', '_fused_act', 'opened', 'act', 'act_param', 'mode', 'surgical', '_cl_guard', '_last_out')
     _cl_guard: GuardPlan|None = None   # set by `guard_model` (clfast.guard) where this conv would reach a bad kernel
     # surgery leaves the BN where it was registered and keeps it in `_fused_bn`; a standalone module's BN is its child
     # `bn`, read at each call (so that it follows nn.SyncBatchNorm.convert_sync_batchnorm)

@@ -243,3 +243,14 @@ def test_symbolic_trace_and_feature_extraction(model):
         for k in nodes.values(): torch.testing.assert_close(g[k].double(), w[k], rtol=1e-4, atol=1e-4, msg=lambda s: f"{k} {train} {s}")
         for (k, a), b in zip(m.state_dict().items(), stock.state_dict().values()):
             torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-6, msg=k)
+
+def test_a_fused_chains_last_output_stays_clfasts():
+    """The chain's holder of its last output (`_last_out`) is clfast's own: a pickle of the fused model (which loads
+    without clfast) and the unfused model hold none (an exported resnet18 failed to load in a process without clfast)"""
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    fuse_conv_bn(m)
+    m(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last))
+    assert '_last_out' in m[0].__dict__
+    assert b'_LastOut' not in pickle.dumps(m)
+    unfuse_conv_bn(m)
+    assert not any('_last_out' in c.__dict__ for c in m.modules())

@@ -20,7 +20,7 @@ from ..fused import FusedConvBN2d, _FusedMixin, _FusedChain, _link, _stock_block
 # %% auto #0
 __all__ = ['KNOWN_BLOCKS', 'BlockHandler', 'register_block']
 
-# %% ../../nbs/24b_fuse_blocks.ipynb #6455bf7f
+# %% ../../nbs/24b_fuse_blocks.ipynb #d8deeaf0
 def _is(m, cls): return type(m) is cls
 
 _CONV_SAME, _MIXED = 'timm.layers.conv2d_same.Conv2dSame', 'timm.layers.mixed_conv2d.MixedConv2d'
@@ -88,7 +88,7 @@ def _mixed_class(stock:type) -> type:
     "timm's `MixedConv2d` whose split convs each run fused with their slice of the BN after it"
     if stock not in _classes:
         _classes[stock] = type('FusedMixedConv2d', (_FusedChain, stock), dict(
-            _stock_class=stock, _own_attrs=('_fused_bn', '_fused_act', 'opened', 'act', 'act_param', 'mode', 'surgical'), forward=_mixed_forward,
+            _stock_class=stock, _own_attrs=('_fused_bn', '_fused_act', 'opened', 'act', 'act_param', 'mode', 'surgical', '_last_out'), forward=_mixed_forward,
             __module__=__name__, __doc__="Timm's MixedConv2d → BN (→ act), each channel split in one op"))
     return _classes[stock]
 

@@ -35,7 +35,7 @@ def _copy_ends(name:str, args, out):
     if name.startswith('_copy_from'): return args[0], args[1]   # _copy_from(src, dst)
     return (args[1] if name == 'copy' else args[0]), out       # clone/_to_copy(src), copy(self, src) -> out
 
-# %% ../nbs/10_audit.ipynb #bebd359d
+# %% ../nbs/10_audit.ipynb #5db77497
 def _op_name(func) -> str: return f"aten.{func.overloadpacket.__name__}"
 
 def _strided(t) -> bool: return isinstance(t, Tensor) and t.layout == torch.strided
@@ -60,9 +60,8 @@ def _cl_ordered(t:Tensor) -> bool:
     if _cl(t): return True
     # (a broadcast, stride 0 along a dimension, is no map: selective kernels' attention expanded over the branches)
     if not is_image_tensor(t) or any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)): return False
-    order = _order(t)
-    cl = [d for d in (0, *range(2, t.dim()), 1) if t.shape[d] > 1]
-    return order == cl and order != [d for d in range(t.dim()) if t.shape[d] > 1]
+    # (not ambiguous, `is_image_tensor`: this order is never also the contiguous one)
+    return _order(t) == [d for d in (0, *range(2, t.dim()), 1) if t.shape[d] > 1]
 
 def _other(t:Tensor) -> bool:
     "A 4D/5D tensor whose layout means something and is not channels-last"

@@ -168,7 +168,7 @@ def _register_chooser():
                     "int[] dilation, int groups, int needs, bool rows, int[] ways) -> int")
     _chooser.impl('choose_backward', _choose_backward, 'CPU')
 
-# %% ../nbs/22_cpu_kernels.ipynb #388e5ef5
+# %% ../nbs/22_cpu_kernels.ipynb #eaff41af
 PACKAGE = Path(clfast.__file__).parent
 
 def levels_here() -> list[str]:
@@ -199,6 +199,14 @@ def _build_levels(levels:list[str]|None) -> list[str]:
     if bad: raise ValueError(f"this CPU runs levels {', '.join(levels_here())}, not {', '.join(bad)}")
     return levels
 
+def _drop_unsealed(level:str) -> bool:
+    """Delete the cached library of `level` where it is not the one its build sealed (corrupted, or left by a killed
+    build: loading a truncated library kills the process with SIGBUS), saying so; whether it did"""
+    if not is_built(level) or _sealed(level): return False
+    _say(f"the cached C++ CPU kernels at level {level} are not as built (corrupted, or left by a killed build); rebuilding ...")
+    shutil.rmtree(_cached_library(level).parent, ignore_errors=True)
+    return True
+
 def build(levels:list[str]|None=None) -> dict:
     """Build the library of each of `levels` (default: this CPU's own, `clfast_isa()`; 'all': `levels_here()`) into the
     cache now, each in a process of its own (a process loads one level); `{level: seconds}`. Raises RuntimeError, with
@@ -209,9 +217,7 @@ def build(levels:list[str]|None=None) -> dict:
     took = {}
     for level in levels:
         t = time.perf_counter()
-        if is_built(level) and not _sealed(level):   # as `load`: a library not as built (corrupted, a killed build's) goes
-            _say(f"the cached C++ CPU kernels at level {level} are not as built (corrupted, or left by a killed build); rebuilding ...")
-            shutil.rmtree(_cached_library(level).parent, ignore_errors=True)
+        _drop_unsealed(level)   # as `load`: a library not as built is built again
         # sealed as `load` seals what it builds: else the next load takes it for a killed build's and builds it again
         p = subprocess.run([sys.executable, '-c', f"from clfast import cpu_kernels as c; c._build({level!r}, False); c._seal({level!r})"],
                            env={**os.environ, ISA_CAP_ENV: level}, capture_output=True, text=True)
@@ -267,12 +273,7 @@ def load(verbose:bool=False) -> Path|None:
             fresh, t0 = not is_built(level), time.perf_counter()   # a fresh cache compiles: say so, it takes a while
             if fresh: _say(f"compiling the C++ CPU kernels at level {level} for this torch ({not_installed}; once, "
                            "cached for later runs) ...")
-            if not fresh and not _sealed(level):
-                # loading a truncated library kills the process (SIGBUS): one that is not as built is built again
-                _say(f"the cached C++ CPU kernels at level {level} are not as built (corrupted, or left by a killed "
-                     "build); rebuilding ...")
-                shutil.rmtree(_cached_library(level).parent, ignore_errors=True)
-                fresh = True
+            if not fresh and _drop_unsealed(level): fresh = True
             try: _lib = _build(level, verbose)
             except Exception as e: raise RuntimeError(f"clfast C++ CPU kernels failed to build at level {level}: {e}") from e
             if fresh: _seal(level)

@@ -277,7 +277,7 @@ def recomputes(model:nn.Module) -> bool:
     is left out by them: torch.compile and saved-tensor hooks do not mix)"""
     return any(isinstance(m, _FusedMixin) and getattr(m, 'mode', None) == 'memory' for m in model.modules())
 
-# %% ../nbs/23_fused.ipynb #9cf9d50c
+# %% ../nbs/23_fused.ipynb #7078893e
 _stock_blocks = [0]   # how many fused blocks are running their stock forward now: every chain in them runs unfused
 
 class _LastOut:
@@ -287,6 +287,9 @@ class _LastOut:
     __slots__ = ('ref',)
     def __init__(self): self.ref = None
     def __reduce__(self): return _LastOut, ()
+
+# what a fused chain holds that its stock conv does not: dropped when it pickles or turns back into the stock class
+_CHAIN_ATTRS = ('_fused_bn', '_fused_act', 'opened', 'act', 'act_param', 'mode', 'surgical', '_last_out')
 
 class _FusedChain(_FusedMixin):
     """A surgically fused conv: its forward does the work of the BN `_fused_bn` (and of the activation `_fused_act`, a
@@ -396,7 +399,7 @@ def _link(fused:_FusedChain, bn:_PassThrough, act:_PassThrough|None=None) -> _Fu
         if m is not None: m.__dict__['_fused_by'] = fused
     return fused
 
-# %% ../nbs/23_fused.ipynb #c03c6ef9
+# %% ../nbs/23_fused.ipynb #825941cd
 def _act_spec(act, act_param, relu, default):
     "`(name, param)` from `act` (a name, a module) or the older `relu=True/False` spelling, else `default`"
     if relu is not None and act is not None: raise ValueError(f"give either relu={relu} or act={act!r}, not both")
@@ -407,7 +410,7 @@ def _act_spec(act, act_param, relu, default):
 class FusedConvBN2d(_FusedChain, nn.Conv2d):
     "Conv2d → BatchNorm2d (→ + residual) (→ activation) in one op; parameters and state_dict as the stock modules"
     _stock_class = nn.Conv2d
-    _own_attrs = ('_fused_bn', '_fused_act', 'opened', 'act', 'act_param', 'mode', 'surgical', '_cl_guard', '_last_out')
+    _own_attrs = _CHAIN_ATTRS + ('_cl_guard',)
     _cl_guard: GuardPlan|None = None   # set by `guard_model` (clfast.guard) where this conv would reach a bad kernel
     # surgery leaves the BN where it was registered and keeps it in `_fused_bn`; a standalone module's BN is its child
     # `bn`, read at each call (so that it follows nn.SyncBatchNorm.convert_sync_batchnorm)

@@ -49,47 +49,41 @@ def kernel_ops(prof) -> list[str]:
         if e.cpu_parent is None: walk(e, False)
     return found
 
-# %% ../nbs/28_host_cost.ipynb #e5c0a007
+# %% ../nbs/28_host_cost.ipynb #8f352b85
 def _layout(t):
     "The layout cuDNN gives a conv's result for a `t` laid out so: channels-last for a channels-last `t`"
     return torch.channels_last if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
 
 @contextlib.contextmanager
-def cudnn_layouts():
-    """The Triton path's convs on `meta` tensors return what cuDNN's return on CUDA: channels-last outputs and gradients
-    for channels-last inputs (the meta kernels' are contiguous, so the path's layout checks would copy where CUDA's do not)"""
-    aten, real = torch.ops.aten, (torch.ops.aten.convolution, torch.ops.aten.convolution_backward)
-    def cl(t, like):   # a fresh `meta` tensor (no copy: nothing is counted) in `like`'s layout
-        if t is None or t.dim() != 4: return t
-        return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=_layout(like))
-    def conv(x, w, *args): return cl(real[0](x, w, *args), x)
-    def conv_bwd(dy, x, w, *args):
-        dx, dw, db = real[1](dy, x, w, *args)
-        return cl(dx, x), cl(dw, w), db
-    aten.convolution, aten.convolution_backward = conv, conv_bwd
-    try: yield
-    finally: aten.convolution, aten.convolution_backward = real
-
-@contextlib.contextmanager
-def stubbed_convs():
-    """CPU convs that compute nothing inside the block: `aten::convolution` and its backward return uninitialized
-    tensors of their results' sizes in cuDNN's layouts (2D, not transposed: the steps here). A step's CPU time is then
-    its Python and dispatch, as on a GPU, where a conv is a launch and not 70-150 us of compute that evicts the host's
-    caches (with real convs, a fused step's excess over stock's reads ~3x what it is with these)"""
+def _convs_as_cudnn(key:str):
+    """Inside the block, `aten::convolution` and its backward on dispatch key `key` compute nothing: they return
+    uninitialized tensors of their results' sizes in cuDNN's layouts (2D, not transposed: the steps here)"""
     def conv(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
-        if transposed or x.dim() != 4: raise NotImplementedError("stubbed_convs: 2D convs only, not transposed")
+        if transposed or x.dim() != 4: raise NotImplementedError("clfast.host_cost's convs: 2D convs only, not transposed")
         size = ops._out_size(x, w, ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups))
-        return torch.empty(size, dtype=x.dtype, memory_format=_layout(x))
+        return torch.empty(size, dtype=x.dtype, device=x.device, memory_format=_layout(x))
     def conv_bwd(dy, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask):
-        return (torch.empty(x.shape, dtype=x.dtype, memory_format=_layout(x)) if mask[0] else None,
-                torch.empty(w.shape, dtype=w.dtype, memory_format=_layout(w)) if mask[1] else None,
+        return (torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=_layout(x)) if mask[0] else None,
+                torch.empty(w.shape, dtype=w.dtype, device=w.device, memory_format=_layout(w)) if mask[1] else None,
                 dy.new_empty(bias_sizes) if mask[2] and bias_sizes else None)
     lib = torch.library.Library('aten', 'IMPL')
     try:
-        lib.impl('convolution', conv, 'CPU', **ops._OVERRIDE)
-        lib.impl('convolution_backward', conv_bwd, 'CPU', **ops._OVERRIDE)
+        lib.impl('convolution', conv, key, **ops._OVERRIDE)
+        lib.impl('convolution_backward', conv_bwd, key, **ops._OVERRIDE)
         yield
     finally: lib._destroy()   # the real kernels again
+
+def cudnn_layouts():
+    """The convs of `meta` tensors return what cuDNN's return on CUDA: channels-last outputs and gradients for
+    channels-last inputs (the meta kernels' are contiguous, so the path's layout checks would copy where CUDA's do not);
+    whether the path calls them from Python or autograd does"""
+    return _convs_as_cudnn('Meta')
+
+def stubbed_convs():
+    """CPU convs that compute nothing inside the block, in cuDNN's layouts (`_convs_as_cudnn`). A step's CPU time is
+    then its Python and dispatch, as on a GPU, where a conv is a launch and not 70-150 us of compute that evicts the
+    host's caches (with real convs, a fused step's excess over stock's reads ~3x what it is with these)"""
+    return _convs_as_cudnn('CPU')
 
 def _tensor(*shape, dtype=torch.float32, grad=False, cl=False, device='meta'):
     "A `shape` tensor on `device`: random values, or none on `meta`"

@@ -261,7 +261,7 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #50bc264a
+# %% ../nbs/21_ops.ipynb #1143d251
 class _LayerStep(torch.autograd.Function):
     """`clfast::conv_bn_act`'s autograd node in Python: `csrc/layer_op.cpp`'s `ConvBnAct` line for line (the same kernel
     ops, the same saved tensors; outputs, gradients and running statistics bit for bit). It runs where the C++ library
@@ -343,6 +343,46 @@ class _LayerStep(torch.autograd.Function):
         grads[3:5] = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads[3:5], ctx.bn_dtypes)]
         return (*grads, *([None] * 11))
 
+class _BnActStep(torch.autograd.Function):
+    """`act(bn(y) [+ residual])` of a fused layer whose conv is autograd's own node (`y` its output; or the conv-less
+    layer's input), on the Triton kernels called as functions (`_direct`): `_LayerStep`'s forward and backward past the
+    conv, the same kernels and launches, the running statistics updated in forward as there"""
+    @staticmethod
+    def forward(ctx, y, bn_weight, bn_bias, residual, mean, var, eps, act, act_param, training, running:tuple|None):
+        fold = running is not None and running[3] is not None   # a momentum: the statistics pass updates them
+        tk = _triton()
+        out, params = tk.bn_act_fwd(y, bn_weight, bn_bias, residual, mean, var, eps, act, act_param, running if fold else None)
+        if running is not None and not fold:
+            running_mean, running_var, num_batches_tracked, momentum = running
+            tk.update_running(running_mean, running_var, num_batches_tracked, params, momentum, out.numel() // out.shape[1])
+        a = _act_of(act)
+        has_act = a.name != 'none'
+        from_out = residual is not None and has_act and a.grad_from_out(act_param)
+        ctx.save_for_backward(y, params, residual if has_act and not from_out else None, out if from_out else None)
+        ctx.training, ctx.act, ctx.act_param, ctx.has_act = training, act, act_param, has_act
+        ctx.bn_dtypes = tuple(None if t is None else t.dtype for t in (bn_weight, bn_bias))
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if torch.is_grad_enabled():
+            raise RuntimeError("clfast's fused conv-BN has no double backward (create_graph=True): unfuse the model "
+                               "(clfast.fuse.unfuse_conv_bn) for higher-order gradients")
+        if dout is None: return (None,) * 11
+        y, params, residual, out = ctx.saved_tensors
+        n_dy, n_dg, n_dbeta, n_dres = ctx.needs_input_grad[:4]
+        if dout.dtype != y.dtype: dout = dout.to(y.dtype)
+        res_through_act = n_dres and ctx.has_act
+        tk = _triton()
+        need_y = tk.needs_y(ctx.training, n_dg, ctx.act, out is not None)
+        dy, sdz, sdx, dres = tk.bn_act_bwd(dout, y if need_y else None, params, residual, out, ctx.training, ctx.act,
+                                           ctx.act_param, n_dy, res_through_act, n_dg or n_dbeta)
+        if n_dres and not res_through_act: dres = dout   # no activation: dresidual is dout
+        dg, db = (g if need and g.dtype == dt else g.to(dt) if need else None
+                  for need, g, dt in zip((n_dg, n_dbeta), (sdx, sdz), ctx.bn_dtypes))
+        return (dy, dg, db, dres, *([None] * 7))
+
 def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked,
                  training:bool, momentum, eps:float, stride, padding, dilation, groups:int, act:int, act_param:float,
                  keep_y:bool, group:str='', direct:bool=False, remember=None) -> Tensor:
@@ -354,12 +394,16 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
     mean = var = None
     if not batch_stats:   # copies: a later in-place update of the running statistics must not change what backward saved
         mean, var = running_mean.detach().clone(), running_var.detach().clone()
-    geom = ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups)
     synced = group if batch_stats else ''
     update = training and (running_mean is not None or num_batches_tracked is not None)
+    running = (running_mean, running_var, num_batches_tracked, momentum) if update else None
+    if direct and not synced and remember is None and (keep_y or weight is None):
+        # the conv autograd's own node (its backward in C++), clfast's node the rest
+        y = x if weight is None else torch.conv2d(x, weight, bias, stride, padding, dilation, groups)
+        return _BnActStep.apply(y, bn_weight, bn_bias, residual, mean, var, eps, act, act_param, batch_stats, running)
+    geom = ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups)
     out, y, params = _LayerStep.apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act, act_param,
-                                 keep_y and weight is not None, batch_stats, synced, direct,
-                                 (running_mean, running_var, num_batches_tracked, momentum) if update else None)
+                                 keep_y and weight is not None, batch_stats, synced, direct, running)
     if remember is not None and not synced and y.numel():
         remember_output(remember, out, y, params, act, act_param, direct)
     return out

@@ -13,8 +13,8 @@ from .reference import acc_dtype
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['LAUNCH_WAYS', 'launch_way', 'Tiles', 'tiling', 'launching', 'stats', 'fwd', 'bwd', 'layer_fwd', 'layer_out',
-           'batch_stats', 'update_running', 'layer_bwd']
+__all__ = ['LAUNCH_WAYS', 'launch_way', 'Tiles', 'tiling', 'launching', 'stats', 'fwd', 'bwd', 'layer_fwd', 'bn_act_fwd',
+           'layer_out', 'batch_stats', 'update_running', 'needs_y', 'bn_act_bwd', 'layer_bwd']
 
 # %% ../nbs/20_triton_kernels.ipynb #9f53cb16
 @triton.jit
@@ -622,7 +622,7 @@ def _conv(x, weight, bias, geom) -> Tensor:
                                    _lst(geom.dilation, n), False, [0] * n, geom.groups)
     return _cl(y)
 
-# %% ../nbs/20_triton_kernels.ipynb #860c5109
+# %% ../nbs/20_triton_kernels.ipynb #d36b393e
 def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, bn_bias:Tensor|None,
               residual:Tensor|None, mean:Tensor|None, var:Tensor|None, geom, eps:float, act:int, act_param:float,
               keep_y:bool, y:Tensor|None=None, running:tuple|None=None) -> tuple[Tensor, Tensor, Tensor]:
@@ -630,15 +630,23 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
     `clfast/KERNELS.md`. `running`: `update_running`'s work (`(running_mean, running_var, num_batches_tracked,
     momentum)`, for batch statistics) in the statistics pass, which the kernel op leaves to a launch of its own"""
     y = _conv(x, weight, bias, geom) if y is None or y.numel() == 0 else _cl(y)
+    out, prm = bn_act_fwd(y, bn_weight, bn_bias, residual, mean, var, eps, act, act_param, running)
+    return out, (y if keep_y else y.new_empty(0)), prm
+
+def bn_act_fwd(y:Tensor, bn_weight:Tensor|None, bn_bias:Tensor|None, residual:Tensor|None, mean:Tensor|None,
+               var:Tensor|None, eps:float, act:int, act_param:float, running:tuple|None=None) -> tuple[Tensor, Tensor]:
+    """`(out, params)` of `act(bn(y) [+ residual])`: the layer forward past its conv, on the conv's output `y` (any
+    layout: the kernels read it channels-last), with `layer_fwd`'s `mean`, `var` and `running`"""
+    y = _cl(y)
     if (mean is None) != (var is None): raise ValueError("give both mean and var, or neither")
     if running is not None and mean is not None: raise ValueError("running statistics are updated from batch statistics only")
-    c, acc, dev = y.shape[1], _acc(x), y.device
+    c, acc, dev = y.shape[1], _acc(y), y.device
     m = y.numel() // c if c else 0
     prm = torch.empty((5, c), dtype=acc, device=dev)
     k = _consts(float(act_param), float(eps), acc, dev)
     w = None if bn_weight is None else bn_weight.contiguous()
     b = None if bn_bias is None else bn_bias.contiguous()
-    out = torch.empty_like(y, dtype=x.dtype)   # y's strides: its rows, as the kernels read y's
+    out = torch.empty_like(y)   # y's strides: its rows, as the kernels read y's
     with _on(y):
         if mean is None: _stats_into(y, m, prm, k, True, w, b, running)
         else:
@@ -646,7 +654,7 @@ def layer_fwd(x:Tensor, weight:Tensor, bias:Tensor|None, bn_weight:Tensor|None, 
             _launch(_params, (pl.n_c,), mean.contiguous(), var.contiguous(), prm if w is None else w,
                     prm if b is None else b, k, prm, c, HAS_W=w is not None, HAS_B=b is not None, BLOCK_C=pl.bc)
         _fwd_into(y, m, prm, None if residual is None else _cl(residual), k, int(act), out)
-    return out, (y if keep_y else y.new_empty(0)), prm
+    return out, prm
 
 def layer_out(y:Tensor, params:Tensor, act:int, act_param:float) -> Tensor:
     """A layer's output again (no residual) from its conv output `y` and the `params` its forward returned: the
@@ -686,7 +694,27 @@ def _written(*ts:Tensor|None):
     for t in ts:
         if t is not None: torch.autograd.graph.increment_version(t)
 
-# %% ../nbs/20_triton_kernels.ipynb #48606121
+# %% ../nbs/20_triton_kernels.ipynb #ebd1a279
+def needs_y(training:bool, want_dgamma:bool, act:int, from_out:bool) -> bool:
+    "Whether the layer's backward reads `y`: batch statistics' backward, `dbn_weight`, and `z` recomputed for act'"
+    return training or want_dgamma or (int(act) != 0 and not from_out)
+
+def bn_act_bwd(dout:Tensor, y:Tensor|None, params:Tensor, residual:Tensor|None, out:Tensor|None, training:bool,
+               act:int, act_param:float, want_dy:bool, want_dres:bool, want_sums:bool,
+               grad_means:Tensor|None=None) -> tuple:
+    """`(dy, sum_dz, sum_dz_xhat, dresidual)` of the layer past its conv (`dy` and `dresidual` None where not wanted;
+    the sums unset where `grad_means` is given and `want_sums` false): `y` the conv's output where `needs_y` says it is
+    read, else None; `out` the forward's output where act' is read from it, else None"""
+    g = _cl(dout)
+    c = g.shape[1]
+    dy = torch.empty_like(g) if want_dy else None   # g's strides: its rows, as the kernels read g's
+    dres = torch.empty_like(g) if want_dres else None
+    with _on(g):
+        sdz, sdx = _bwd_into(g, g.numel() // c if c else 0, None if y is None else _cl(y), params,
+                             None if residual is None else _cl(residual), None if out is None else _cl(out), int(act),
+                             act_param, training, dy, dres, grad_means, want_sums)
+    return dy, sdz, sdx, dres
+
 def _layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor, params:Tensor,
                residual:Tensor|None, out:Tensor|None, geom, training:bool, act:int, act_param:float, needs,
                grad_means:Tensor|None=None) -> tuple:
@@ -694,18 +722,11 @@ def _layer_bwd(dout:Tensor, x:Tensor, weight:Tensor, bias:Tensor|None, y:Tensor,
     n_dx, n_dw, n_db, n_dg, n_dbeta, n_dres = needs
     n_db = n_db and bias is not None   # dresidual is wanted even when residual is not passed (the mask came from out)
     from_out = out is not None and out.numel() > 0
-    want_dy, act = n_dx or n_dw or n_db, int(act)
-    # y is needed for batch statistics' backward, for dbn_weight, and to recompute z for act'
-    need_y = training or n_dg or (act != 0 and not from_out)
+    want_dy = n_dx or n_dw or n_db
+    need_y = needs_y(training, n_dg, act, from_out)
     if need_y and (y is None or y.numel() == 0): y = _conv(x, weight, bias, geom)
-    g = _cl(dout)
-    c = g.shape[1]
-    dy = torch.empty_like(g) if want_dy else None   # g's strides: its rows, as the kernels read g's
-    dres = torch.empty_like(g) if n_dres else None
-    with _on(g):
-        sdz, sdx = _bwd_into(g, g.numel() // c if c else 0, _cl(y) if need_y else None, params,
-                             None if residual is None else _cl(residual), _cl(out) if from_out else None, act,
-                             act_param, training, dy, dres, grad_means, n_dg or n_dbeta)
+    dy, sdz, sdx, dres = bn_act_bwd(dout, y if need_y else None, params, residual, out if from_out else None, training,
+                                    act, act_param, want_dy, n_dres, n_dg or n_dbeta, grad_means)
     dx = dw = db = None
     if want_dy and weight is None: dx = dy   # no conv: y is x
     elif want_dy:

@@ -2,7 +2,8 @@
 in session 55): each step's host issue time (no sync inside), a synchronization caught by
 `torch.cuda.set_sync_debug_mode('error')` with its Python stack, the CUDA runtime calls a step makes
 (torch.profiler's CPU side), and the Python functions' own time (cProfile), the fused way (Triton's launches, both
-ways) against the stock modules'.
+ways) against the stock modules'; first, one launch's host time each way (Triton's own, through the compiled kernel)
+against an ATen kernel's.
 
     python benchmarks/probe_host_time.py [--shape 2 64 1 1] [--steps 200]
     python benchmarks/probe_host_time.py --device cpu --steps 20   # the script's own dry run (the C++ op, no Triton)
@@ -61,6 +62,23 @@ def python_time(step, n:int, rows:int=28) -> str:
         out.append(f"    {tt / n * 1e6:8.1f} us own {ct / n * 1e6:8.1f} us cum  x{nc / n:5.1f}  {Path(file).name}:{line}({fn})")
     return '\n'.join(out)
 
+def launch_us(device, reps:int) -> str:
+    """The host time of one launch of a Triton kernel (the forward's apply pass on a 2x64x1x1 map: 7 arguments, 5 of
+    them tensors), each launch way, against an ATen kernel's (`add_`), 200 launches back to back between
+    synchronizations: what a layer step's four launches cost apart from the rest of its Python"""
+    if device.type != 'cuda': return "# one launch: needs a CUDA device (Triton launches)"
+    y = torch.randn(2, 64, 1, 1, device=device).to(memory_format=torch.channels_last)
+    prm, out = torch.randn(5, 64, device=device), torch.empty_like(y)
+    k = tk._consts(0., 1e-5, torch.float32, device)
+    fwd = lambda: tk._fwd_into(y, 2, prm, None, k, 1, out)
+    rows = []
+    for way in tk.LAUNCH_WAYS:
+        with tk.launching(way):
+            for _ in range(5): fwd()   # compiled, keyed
+            rows.append(f"# one launch: Triton _fwd, {way}: {issue_us(fwd, device, k=200, reps=reps):.1f} us")
+    rows.append(f"# one launch: ATen add_: {issue_us(lambda: out.add_(1.), device, k=200, reps=reps):.1f} us")
+    return '\n'.join(rows)
+
 def main(argv=None):
     a = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     a.add_argument('--device', default='cuda')
@@ -72,6 +90,7 @@ def main(argv=None):
     device, shape = torch.device(args.device), tuple(args.shape)
     if device.type == 'cuda':
         print(f"# {torch.cuda.get_device_name(device)}, torch {torch.__version__}, layer step {shape}", flush=True)
+    print(launch_us(device, args.reps), flush=True)
     for dt in args.dtypes:
         dtype = getattr(torch, dt)
         ways = {'stock modules': (stock_step(dtype, 'relu', True, shape, device=device), 'fused', contextlib.nullcontext),

@@ -339,7 +339,7 @@ def _bwd_dx(g_ptr, x_ptr, prm_ptr, bd_ptr, res_ptr, out_ptr, k_ptr, dy_ptr, dres
         tl.store(dy_ptr + offs, dy.to(dy_ptr.dtype.element_ty), mask=mask)
     if WANT_DRES: tl.store(dres_ptr + offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
 
-# %% ../nbs/20_triton_kernels.ipynb #f7391ffa
+# %% ../nbs/20_triton_kernels.ipynb #38913e57
 class Tiles(NamedTuple):
     """How the kernels cut the `[M, C]` rows, whatever the shape (`_plan` works out each shape's cut from it). The
     defaults are the compile report's (`clfast/KERNELS.md`: no spill, enough bytes in flight on sm_80/90/100);
@@ -430,11 +430,16 @@ def _on(x:Tensor):
 _launch_hook = None   # None, or f(kernel, grid, args, meta) that every launch below is handed to instead (clfast.gpu_report)
 
 LAUNCH_WAYS = ('jit', 'compiled')
-# How a launch reaches the GPU ('jit' unless CLFAST_TRITON_LAUNCH says otherwise; `launching` switches it for a block):
-# 'jit' is Triton's `kernel[grid](...)`, which binds and specializes every argument at every call (~12 us a launch of
-# 15-20 arguments, where calling the compiled kernel is ~3 us: triton-lang/triton#10140, facebookexperimental/triton
-# #1231); 'compiled' calls the `CompiledKernel` Triton made for the same specialization, found by a key of the
-# arguments' dtypes, alignments and values (~2 us). 'jit' stays the default until a GPU has measured 'compiled'
+# How a launch reaches the GPU ('jit' unless CLFAST_TRITON_LAUNCH says otherwise; `launching` switches it for a block).
+# 'jit' is Triton's `kernel[grid](...)`, which at every call binds and specializes every argument, makes the cache
+# key (`str` of the compile options), checks the kernel's globals, builds the launch metadata for the launch hooks and
+# calls them (in Triton 3.6 empty `HookChain`s, still called), and its C launcher asks the driver about each tensor's
+# pointer (`cuPointerGetAttribute`: ~11 a launch here): ~12 us a launch of 15-20 arguments where calling the compiled
+# kernel is ~3 us (triton-lang/triton#10140, facebookexperimental/triton#1231). 'compiled' finds the `CompiledKernel`
+# Triton made for the same specialization by a key of the arguments' dtypes, alignments and values (~2 us), and calls
+# its launcher as inductor's generated launchers do: the current stream, no launch metadata or hooks where none are
+# set, the tensors' pointers as integers (which the launcher passes on unasked). 'jit' stays the default until a GPU
+# has measured 'compiled'
 launch_way = os.environ.get('CLFAST_TRITON_LAUNCH', 'jit')
 if launch_way not in LAUNCH_WAYS: raise ValueError(f"CLFAST_TRITON_LAUNCH must be one of {LAUNCH_WAYS}, got {launch_way!r}")
 
@@ -447,15 +452,27 @@ def launching(way:str):
     try: yield
     finally: launch_way = old
 
+_RUNTIME_KNOBS = getattr(getattr(triton, 'knobs', None), 'runtime', None)   # Triton 3.4+: where the launch hooks are set
+_HOOK_CHAIN = getattr(getattr(triton, 'knobs', None), 'HookChain', ())       # Triton 3.5+: the hooks' holder, never None
+
+def _no_launch_hooks() -> bool:
+    "Whether Triton has no launch hook to call (a profiler such as proton sets them): unset, or an empty `HookChain`"
+    return all(h is None or (isinstance(h, _HOOK_CHAIN) and not h.calls)
+               for h in (_RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook))
+
 def _callable(kernel, ck, n_args:int, meta:dict) -> tuple|None:
-    "`(ck, its constexprs' values)` where the compiled kernel `ck` can be called with the runtime arguments then those, else None"
+    """`(ck, its launcher, its constexprs' values)` where the compiled kernel `ck` can be called with the runtime
+    arguments then those, else None. The launcher is None where this Triton's compiled kernel has not the launch
+    protocol of 3.4-3.6 (JITFunction.run's and inductor's: `run(grid0, grid1, grid2, stream, function,
+    packed_metadata, launch_metadata, enter_hook, exit_hook, *args)`): `ck[grid]` launches it then"""
     params = getattr(kernel, 'params', None)
     if ck is None or params is None or not hasattr(type(ck), '__getitem__'): return None
     if any(p.is_constexpr for p in params[:n_args]) or not all(p.is_constexpr and p.name in meta for p in params[n_args:]):
         return None
-    return ck, tuple(meta[p.name] for p in params[n_args:])
+    known = _RUNTIME_KNOBS is not None and all(hasattr(ck, a) for a in ('run', 'function', 'packed_metadata', 'launch_metadata'))
+    return ck, (ck.run if known else None), tuple(meta[p.name] for p in params[n_args:])
 
-_COMPILED: dict[tuple, tuple|None] = {}   # launch key -> (CompiledKernel, its constexprs' values), or None: Triton's way
+_COMPILED: dict[tuple, tuple|None] = {}   # launch key -> `_callable`'s (CompiledKernel, launcher, constexprs), or None: Triton's way
 
 def _launch(kernel, grid:tuple, *args, **meta):
     """`kernel[grid](*args, **meta)` (`args` the kernel's runtime arguments, `meta` its constexprs and launch options),
@@ -471,17 +488,27 @@ def _launch_compiled(kernel, grid:tuple, args:tuple, meta:dict):
     launch of each goes Triton's way, which returns the compiled kernel; a kernel whose parameters are not its runtime
     arguments then its constexprs, or a Triton whose launch returns none (the interpreter), keeps Triton's way"""
     global launch_way
-    key = (kernel, args[0].get_device(), tuple([(a.dtype, a.data_ptr() % 16) if isinstance(a, Tensor) else a for a in args]),
-           tuple(meta.items()))
+    spec, vals = [], []
+    for a in args:
+        if isinstance(a, Tensor):
+            p = a.data_ptr()
+            spec.append((a.dtype, p % 16)); vals.append(p)
+        else: spec.append(a); vals.append(a)
+    dev = args[0].get_device()
+    key = (kernel, dev, tuple(spec), tuple(meta.items()))
     hit = _COMPILED.get(key, False)
     if hit is False:
         ck = kernel[grid](*args, **meta)
         _COMPILED[key] = _callable(kernel, ck, len(args), meta)
     elif hit is None: kernel[grid](*args, **meta)
     else:
-        ck, consts = hit
+        ck, run, consts = hit
         # (a compiled kernel's launch reads three grid sizes, where Triton's own fills in the missing ones)
-        try: ck[grid if len(grid) == 3 else (*grid, 1, 1)[:3]](*args, *consts)
+        g = grid if len(grid) == 3 else (*grid, 1, 1)[:3]
+        try:
+            if run is not None and _no_launch_hooks():
+                run(*g, torch._C._cuda_getCurrentRawStream(dev), ck.function, ck.packed_metadata, None, None, None, *vals, *consts)
+            else: ck[g](*vals, *consts)
         except TypeError as e:   # the launcher's arguments parsed differently by this Triton: nothing was launched
             _COMPILED.clear()
             launch_way = 'jit'

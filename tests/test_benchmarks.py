@@ -78,3 +78,4 @@ def test_probe_host_time_dry_run(capsys):
         'stock modules', 'fused, Triton jit launch', 'fused, compiled launch', "fused module's stock way"]
     assert all(float(h.split('host issue ')[1].split(' us')[0]) > 0 for h in heads)
     assert out.count('first synchronizing call: not a CUDA device') == 4 and out.count('us own') >= 4 * 5
+    assert '# one launch: needs a CUDA device' in out

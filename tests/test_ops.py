@@ -440,6 +440,26 @@ def test_compiled_launches_are_tritons_cuda(dt):
     # the offset's tensors are keyed apart: more keys than kernels, each kernel's launches in both alignments
     assert len(found) > len({k[0] for k in found})
 
+def test_compiled_launches_call_tritons_launch_hooks_once_set():
+    """The compiled way calls Triton's launcher with no launch metadata or hooks only while none is set (Triton 3.6 keeps
+    empty `HookChain`s, which its own launches call at every launch); a hook set (a profiler's, such as proton's)
+    sends the launches through the compiled kernel's own launch, which builds the metadata and calls it"""
+    import triton
+    from clfast import triton_kernels as tk
+    if tk._RUNTIME_KNOBS is None: pytest.skip(f"Triton {triton.__version__} has no triton.knobs (3.4+): the compiled kernels' own launch")
+    rt = triton.knobs.runtime
+    assert tk._no_launch_hooks()
+    hook = lambda metadata: None
+    chain = isinstance(rt.launch_enter_hook, tk._HOOK_CHAIN)
+    old = rt.launch_enter_hook
+    if chain: rt.launch_enter_hook.add(hook)
+    else: rt.launch_enter_hook = hook
+    try: assert not tk._no_launch_hooks()
+    finally:
+        if chain: rt.launch_enter_hook.remove(hook)
+        else: rt.launch_enter_hook = old
+    assert tk._no_launch_hooks()
+
 @pytest.mark.cuda
 def test_opcheck_cuda():
     # the composite op's kernel is the C++ library's: loaded here, not by whichever test ran before

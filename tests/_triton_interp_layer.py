@@ -128,18 +128,23 @@ def test_launches_are_the_traffic_models(act, res, mode):
 @pytest.mark.parametrize('stats,nbt', [(True, True), (True, False), (False, True)])
 def test_direct_step_is_the_ops(momentum, stats, nbt):
     """CUDA's eager layer step (the Triton kernels called as functions, the running statistics updated in the statistics
-    pass) gives the kernel ops' step (what torch.compile traces: `update_running` a launch of its own) bit for bit:
+    pass; 'speed' and the conv-less layer with autograd's own conv node) gives the kernel ops' step (what torch.compile traces: `update_running` a launch of its own) bit for bit:
     output, every gradient, running statistics and count; a launch fewer, except for a cumulative average (momentum None)"""
     from clfast import gpu_report
     from test_ops import _layer_step
-    def step(op):
+    def step(op, training=True, res=True, act='relu', keep_y=True, conv=True):
         with gpu_report.recording() as launches:
-            got = _layer_step(op, torch.float32, True, True, 'relu', True, True, momentum, stats, nbt)
+            got = _layer_step(op, torch.float32, training, res, act, keep_y, conv, momentum, stats, nbt)
         return got, [l.name for l in launches]
+    # 'speed' and the conv-less layer (autograd's conv node, `_BnActStep`) and 'memory' (`_LayerStep`), in training and
+    # eval, an activation whose derivative is read from the output or recomputed, or none
+    for case in [(True, True, 'relu', True, True), (False, True, 'silu', True, True), (True, False, 'none', True, True),
+                 (True, True, 'relu', False, True), (False, False, 'silu', False, True), (True, True, 'silu', True, False)]:
+        (want, ops_launches), (got, direct_launches) = step(ops._conv_bn_act, *case), step(ops._DIRECT, *case)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert (a is None) == (b is None), (case, i)
+            if a is not None: assert a.stride() == b.stride() and torch.equal(a, b), (case, i)
     (want, ops_launches), (got, direct_launches) = step(ops._conv_bn_act), step(ops._DIRECT)
-    for i, (a, b) in enumerate(zip(want, got)):
-        assert (a is None) == (b is None), i
-        if a is not None: assert a.stride() == b.stride() and torch.equal(a, b), i
     assert ops_launches == ['_stats', '_fwd', '_running', '_bwd_sums', '_bwd_dx']
     assert direct_launches == (ops_launches if momentum is None else ['_stats', '_fwd', '_bwd_sums', '_bwd_dx'])
 

@@ -261,16 +261,17 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #1143d251
+# %% ../nbs/21_ops.ipynb #820b6fee
 class _LayerStep(torch.autograd.Function):
     """`clfast::conv_bn_act`'s autograd node in Python: `csrc/layer_op.cpp`'s `ConvBnAct` line for line (the same kernel
     ops, the same saved tensors; outputs, gradients and running statistics bit for bit). It runs where the C++ library
     is not loaded (a GPU machine without a C++ toolchain; on CPU kernels it cost 66 us more host time per layer step
-    than the C++ node, 8 channels, Zen 5: 252 against 186 us), and wherever the Triton kernels serve the layer untraced
-    (`direct`, CUDA): it calls them as functions, with no dispatcher between (`_direct`), and hands the statistics pass
+    than the C++ node, 8 channels, Zen 5: 252 against 186 us), and where the Triton kernels serve the layer untraced
+    (`direct`, CUDA) for 'memory', a synchronized layer and one saved as a recipe: it calls them as functions, with no dispatcher between (`_direct`), and hands the statistics pass
     the running statistics to update (`running`: with a momentum), one launch fewer than the ops' separate
     `update_running`. The running statistics are updated in forward, before autograd saves the node's tensors, as the
-    C++ node does (a gradient checkpoint's recomputation updates them again, as it does BatchNorm's)"""
+    C++ node does (a gradient checkpoint's recomputation updates them again, as it does BatchNorm's). Where the Triton
+    kernels are called directly, a layer whose node need not hold its conv runs `_BnActStep` instead (`_conv_bn_act`)"""
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom:ConvGeometry, eps, act, act_param,
                 keep_y, training, group, direct:bool=False, running:tuple|None=None):
@@ -387,7 +388,8 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
                  training:bool, momentum, eps:float, stride, padding, dilation, groups:int, act:int, act_param:float,
                  keep_y:bool, group:str='', direct:bool=False, remember=None) -> Tensor:
     """`torch.ops.clfast.conv_bn_act` in Python (same arguments), as `csrc/layer_op.cpp`'s `conv_bn_act`; `direct`: the
-    Triton kernels called as functions (`_direct`); `remember`: the layer's key (its conv module) where its output is
+    Triton kernels called as functions (`_direct`), with autograd's own conv node where the layer's node need not hold
+    it (`_BnActStep`: 'speed' on channels-last tensors, and the conv-less layer); `remember`: the layer's key (its conv module) where its output is
     saved for backward as a recipe over `y` (`clfast.recompute`: a layer with a conv, no residual and `keep_y`, not
     synchronized)"""
     batch_stats = training or running_mean is None or running_var is None
@@ -397,8 +399,11 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
     synced = group if batch_stats else ''
     update = training and (running_mean is not None or num_batches_tracked is not None)
     running = (running_mean, running_var, num_batches_tracked, momentum) if update else None
-    if direct and not synced and remember is None and (keep_y or weight is None):
-        # the conv autograd's own node (its backward in C++), clfast's node the rest
+    if (direct and not synced and remember is None
+            and (weight is None or (keep_y and x.is_contiguous(memory_format=torch.channels_last)
+                                    and weight.is_contiguous(memory_format=torch.channels_last)))):
+        # the conv autograd's own node (its backward in C++), clfast's node the rest. Channels-last tensors only, which
+        # `_conv` would convolve as they are: the conv of other layouts is `_conv`'s, on channels-last copies
         y = x if weight is None else torch.conv2d(x, weight, bias, stride, padding, dilation, groups)
         return _BnActStep.apply(y, bn_weight, bn_bias, residual, mean, var, eps, act, act_param, batch_stats, running)
     geom = ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups)
@@ -418,7 +423,7 @@ def _layer_op(x:Tensor) -> Callable:
     if _loaded.get('cpu', 'not loaded') is None: return torch.ops.clfast.conv_bn_act
     return _conv_bn_act
 
-# %% ../nbs/21_ops.ipynb #a4eb9674
+# %% ../nbs/21_ops.ipynb #533e947d
 def _out_size(x:Tensor, weight:Optional[Tensor], geom:ConvGeometry) -> list[int]:
     if weight is None: return list(x.shape)
     (n, _, h, w), (c, _, kh, kw) = x.shape, weight.shape   # unrolled: this runs at every layer call
@@ -432,13 +437,15 @@ def fused_conv_bn(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_w
                   process_group:Optional[dist.ProcessGroup]=None) -> Tensor:
     """`act(batch_norm(conv(x)) [+ residual])` with `BatchNorm2d`'s semantics; running statistics updated in place.
     With a `process_group` of more than one rank, batch statistics are `SyncBatchNorm`'s: over every rank's batch.
-    `weight` None: no conv, `act(batch_norm(x) [+ residual])` (`bias` None too; `keep_y` is moot: backward has `x`)"""
+    `weight` None: no conv, `act(batch_norm(x) [+ residual])` (`bias` None too; `keep_y` is moot: backward has `x`).
+    Computed in the inputs' dtypes, under autocast too (cast them first, as the fused modules do): on every path alike"""
     if x.dim() != 4: raise ValueError(f"expected 4D input (got {x.dim()}D input)")
     a = get_act(act) if isinstance(act, str) else _act_of(act)
     if not kernels_ready(x.device):
         raise RuntimeError(f"clfast's fused layer cannot run on {x.device}: {_loaded.get(str(x.device))}")
-    return _run_layer(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked, training, momentum,
-                      eps, process_group, geometry, residual, a, act_param, keep_y)
+    with no_autocast(x.device.type):
+        return _run_layer(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked, training,
+                          momentum, eps, process_group, geometry, residual, a, act_param, keep_y)
 
 def _run_layer(x:Tensor, weight, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked, training:bool,
                momentum, eps:float, process_group, geometry:ConvGeometry, residual:Optional[Tensor], act, act_param:float,

@@ -132,14 +132,17 @@ def test_direct_step_is_the_ops(momentum, stats, nbt):
     output, every gradient, running statistics and count; a launch fewer, except for a cumulative average (momentum None)"""
     from clfast import gpu_report
     from test_ops import _layer_step
-    def step(op, training=True, res=True, act='relu', keep_y=True, conv=True):
+    def step(op, training=True, res=True, act='relu', keep_y=True, conv=True, x_layout=torch.channels_last):
         with gpu_report.recording() as launches:
-            got = _layer_step(op, torch.float32, training, res, act, keep_y, conv, momentum, stats, nbt)
+            got = _layer_step(op, torch.float32, training, res, act, keep_y, conv, momentum, stats, nbt, x_layout)
         return got, [l.name for l in launches]
     # 'speed' and the conv-less layer (autograd's conv node, `_BnActStep`) and 'memory' (`_LayerStep`), in training and
-    # eval, an activation whose derivative is read from the output or recomputed, or none
+    # eval, an activation whose derivative is read from the output or recomputed, or none; an input and weight not
+    # channels-last (a conv of those layouts rounds otherwise: `_conv`'s on channels-last copies)
+    cf = torch.contiguous_format
     for case in [(True, True, 'relu', True, True), (False, True, 'silu', True, True), (True, False, 'none', True, True),
-                 (True, True, 'relu', False, True), (False, False, 'silu', False, True), (True, True, 'silu', True, False)]:
+                 (True, True, 'relu', False, True), (False, False, 'silu', False, True), (True, True, 'silu', True, False),
+                 (True, True, 'relu', True, True, cf), (False, False, 'silu', True, False, cf)]:
         (want, ops_launches), (got, direct_launches) = step(ops._conv_bn_act, *case), step(ops._DIRECT, *case)
         for i, (a, b) in enumerate(zip(want, got)):
             assert (a is None) == (b is None), (case, i)
@@ -147,6 +150,23 @@ def test_direct_step_is_the_ops(momentum, stats, nbt):
     (want, ops_launches), (got, direct_launches) = step(ops._conv_bn_act), step(ops._DIRECT)
     assert ops_launches == ['_stats', '_fwd', '_running', '_bwd_sums', '_bwd_dx']
     assert direct_launches == (ops_launches if momentum is None else ['_stats', '_fwd', '_bwd_sums', '_bwd_dx'])
+
+def test_direct_step_computes_in_the_inputs_dtype_under_autocast():
+    """`fused_conv_bn` under autocast computes in its inputs' dtypes, as the kernel ops do (the fused modules cast
+    first): the direct step's output and gradients are the step's without autocast, bit for bit (its conv, autograd's
+    own node, ran in bf16 under it)"""
+    from clfast.reference import ConvGeometry
+    def step(amp:bool):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 4, 6, 6, generator=g).to(memory_format=torch.channels_last).requires_grad_()
+        w = torch.randn(5, 4, 3, 3, generator=g).to(memory_format=torch.channels_last).requires_grad_()
+        bw, bb = torch.rand(5, generator=g).requires_grad_(), torch.randn(5, generator=g).requires_grad_()
+        with torch.autocast('cpu', torch.bfloat16, enabled=amp):
+            out = ops.fused_conv_bn(x, w, None, bw, bb, torch.zeros(5), torch.ones(5), None, True, 0.1, 1e-5,
+                                    ConvGeometry(padding=(1, 1)), act='relu')
+        out.backward(torch.randn(out.shape, generator=g).to(memory_format=torch.channels_last))
+        return out, x.grad, w.grad, bw.grad, bb.grad
+    for a, b in zip(step(False), step(True)): assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
 
 def test_compiled_launches_keep_tritons_way_when_nothing_is_compiled():
     """The interpreter compiles nothing: launched the 'compiled' way, every kernel is keyed to Triton's own launch, and

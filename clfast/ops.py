@@ -443,7 +443,8 @@ def fused_conv_bn(x:Tensor, weight:Optional[Tensor], bias:Optional[Tensor], bn_w
     a = get_act(act) if isinstance(act, str) else _act_of(act)
     if not kernels_ready(x.device):
         raise RuntimeError(f"clfast's fused layer cannot run on {x.device}: {_loaded.get(str(x.device))}")
-    with no_autocast(x.device.type):
+    # (a layer without a conv has nothing autocast would run otherwise: the precise BN, at each call, enters no context)
+    with no_autocast(x.device.type) if weight is not None else contextlib.nullcontext():
         return _run_layer(x, weight, bias, bn_weight, bn_bias, running_mean, running_var, num_batches_tracked, training,
                           momentum, eps, process_group, geometry, residual, a, act_param, keep_y)
 

@@ -336,14 +336,13 @@ def test_triton_interpreted(interpreted):
     assert code == 0, out[-8000:]
     assert ' passed' in out and 'skipped' not in out
 
-def _layer_step(op, dt, training, res, act, keep_y, conv, momentum, stats, count=None, x_layout=torch.channels_last):
-    """One forward + backward of the layer op `op` on seeded inputs (the input in `x_layout`, the conv weight
-    contiguous): the output, every gradient, the running statistics (`stats`) and their count (`count`; unless given,
-    with the statistics)"""
+def _layer_step(op, dt, training, res, act, keep_y, conv, momentum, stats, count=None):
+    """One forward + backward of the layer op `op` on seeded inputs: the output, every gradient, the running statistics
+    (`stats`) and their count (`count`; unless given, with the statistics)"""
     g = torch.Generator().manual_seed(1)
     rand = lambda *s: torch.randn(*s, generator=g).to(dt)
     c = 5 if conv else 4
-    x = rand(3, 4, 6, 6).to(memory_format=x_layout).requires_grad_()
+    x = rand(3, 4, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
     w = rand(5, 4, 3, 3).requires_grad_() if conv else None
     bw, bb = rand(c).requires_grad_(), rand(c).requires_grad_()
     r = rand(3, c, 6, 6).requires_grad_() if res else None

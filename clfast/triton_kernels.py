@@ -434,7 +434,7 @@ LAUNCH_WAYS = ('jit', 'compiled')
 # 'jit' is Triton's `kernel[grid](...)`, which at every call binds and specializes every argument, makes the cache
 # key (`str` of the compile options), checks the kernel's globals, builds the launch metadata for the launch hooks and
 # calls them (in Triton 3.6 empty `HookChain`s, still called), and its C launcher asks the driver about each tensor's
-# pointer (`cuPointerGetAttribute`: ~11 a launch here): ~12 us a launch of 15-20 arguments where calling the compiled
+# pointer (`cuPointerGetAttribute`: 5-11 a launch here): ~12 us a launch of 15-20 arguments where calling the compiled
 # kernel is ~3 us (triton-lang/triton#10140, facebookexperimental/triton#1231). 'compiled' finds the `CompiledKernel`
 # Triton made for the same specialization by a key of the arguments' dtypes, alignments and values (~2 us), and calls
 # its launcher as inductor's generated launchers do: the current stream, no launch metadata or hooks where none are

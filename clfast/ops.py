@@ -267,9 +267,9 @@ class _LayerStep(torch.autograd.Function):
     ops, the same saved tensors; outputs, gradients and running statistics bit for bit). It runs where the C++ library
     is not loaded (a GPU machine without a C++ toolchain; on CPU kernels it cost 66 us more host time per layer step
     than the C++ node, 8 channels, Zen 5: 252 against 186 us), and where the Triton kernels serve the layer untraced
-    (`direct`, CUDA) for 'memory', a synchronized layer and one saved as a recipe: it calls them as functions, with no dispatcher between (`_direct`), and hands the statistics pass
-    the running statistics to update (`running`: with a momentum), one launch fewer than the ops' separate
-    `update_running`. The running statistics are updated in forward, before autograd saves the node's tensors, as the
+    (`direct`, CUDA) for 'memory', a synchronized layer and one saved as a recipe: it calls them as functions, with no
+    dispatcher between (`_direct`), and hands the statistics pass the running statistics to update (`running`: with a
+    momentum), one launch fewer than the ops' separate `update_running`. The running statistics are updated in forward, before autograd saves the node's tensors, as the
     C++ node does (a gradient checkpoint's recomputation updates them again, as it does BatchNorm's). Where the Triton
     kernels are called directly, a layer whose node need not hold its conv runs `_BnActStep` instead (`_conv_bn_act`)"""
     @staticmethod
@@ -389,9 +389,9 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
                  keep_y:bool, group:str='', direct:bool=False, remember=None) -> Tensor:
     """`torch.ops.clfast.conv_bn_act` in Python (same arguments), as `csrc/layer_op.cpp`'s `conv_bn_act`; `direct`: the
     Triton kernels called as functions (`_direct`), with autograd's own conv node where the layer's node need not hold
-    it (`_BnActStep`: 'speed' on channels-last tensors, and the conv-less layer); `remember`: the layer's key (its conv module) where its output is
-    saved for backward as a recipe over `y` (`clfast.recompute`: a layer with a conv, no residual and `keep_y`, not
-    synchronized)"""
+    it (`_BnActStep`: 'speed' on channels-last tensors, and the conv-less layer); `remember`: the layer's key (its conv
+    module) where its output is saved for backward as a recipe over `y` (`clfast.recompute`: a layer with a conv, no
+    residual and `keep_y`, not synchronized)"""
     batch_stats = training or running_mean is None or running_var is None
     mean = var = None
     if not batch_stats:   # copies: a later in-place update of the running statistics must not change what backward saved

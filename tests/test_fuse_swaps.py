@@ -52,6 +52,27 @@ def test_activation_and_conv_swapped_after_fusing():
     assert [type(a) for a in stock] == [nn.Conv2d, nn.BatchNorm2d, nn.SiLU, nn.Conv2d, nn.BatchNorm2d, nn.ReLU]
     for train in (True, False): assert _max_diff(m, stock, X, train) < 1e-4
 
+def test_weight_norm_added_after_fusing():
+    """A parametrization added to a fused conv (`parametrizations.weight_norm`): the model computes as the stock one so
+    parametrized, unfuses into torch's parametrized Conv2d over the same parameters (an optimizer's keep their state),
+    and refuses to pickle as the stock one does, saying why (the unfuse raised and left a Conv2d without a weight)"""
+    import pickle
+    from torch.nn.utils import parametrizations
+    torch.manual_seed(0)
+    stock = _busy_stats(_chain())
+    m = fuse_conv_bn(copy.deepcopy(stock))
+    for model in (m, stock): parametrizations.weight_norm(model[0])
+    for train in (True, False): assert _max_diff(m, stock, X, train) < 1e-4
+    params = list(m.parameters())
+    for model in (m, stock):
+        with pytest.raises(RuntimeError, match="Serialization of parametrized modules is only supported through state_dict"):
+            pickle.dumps(model)
+    unfuse_conv_bn(m)
+    assert type(m[0]).__name__ == 'ParametrizedConv2d' and type(m[0]).__bases__ == (nn.Conv2d,)
+    after = list(m.parameters())
+    assert len(after) == len(params) and all(a is b for a, b in zip(after, params))
+    for train in (True, False): assert _max_diff(m, stock, X, train) < 1e-4
+
 def test_block_activation_swapped_after_fusing():
     "A fused block never calls its activation module: one put in its place makes it run its stock forward"
     torch.manual_seed(0)

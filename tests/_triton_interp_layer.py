@@ -128,8 +128,9 @@ def test_launches_are_the_traffic_models(act, res, mode):
 @pytest.mark.parametrize('stats,nbt', [(True, True), (True, False), (False, True)])
 def test_direct_step_is_the_ops(momentum, stats, nbt):
     """CUDA's eager layer step (the Triton kernels called as functions, the running statistics updated in the statistics
-    pass; 'speed' and the conv-less layer with autograd's own conv node) gives the kernel ops' step (what torch.compile traces: `update_running` a launch of its own) bit for bit:
-    output, every gradient, running statistics and count; a launch fewer, except for a cumulative average (momentum None)"""
+    pass; 'speed' and the conv-less layer with autograd's own conv node) gives the kernel ops' step (what
+    torch.compile traces: `update_running` a launch of its own) bit for bit: output, every gradient, running statistics
+    and count; a launch fewer, except for a cumulative average (momentum None)"""
     from clfast import gpu_report
     from test_ops import _layer_step
     assert ops.kernels_ready()   # the kernel ops' CPU key served by the Triton kernels (CLFAST_KERNELS), whichever test ran first

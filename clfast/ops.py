@@ -261,7 +261,20 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #820b6fee
+# %% ../nbs/21_ops.ipynb #e5cbd120
+def _act_saves(act:int, act_param:float, residual:Tensor|None, out:Tensor) -> tuple:
+    """What a layer's backward keeps for act' past its residual add, `(residual, out)`, None where not needed: the
+    output where act' is read from it, else the residual to recompute `z` (without a residual, `z` comes from `y`)"""
+    a = _act_of(act)
+    if residual is None or a.name == 'none': return None, None
+    return (None, out) if a.grad_from_out(act_param) else (residual, None)
+
+def _dtypes(*ts:Tensor|None) -> tuple: return tuple(None if t is None else t.dtype for t in ts)
+
+def _as_dtypes(grads, dtypes) -> list:
+    "Each gradient (or None) in its parameter's dtype (the BN parameters': the kernels give them in `params`' dtype)"
+    return [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads, dtypes)]
+
 class _LayerStep(torch.autograd.Function):
     """`clfast::conv_bn_act`'s autograd node in Python: `csrc/layer_op.cpp`'s `ConvBnAct` line for line (the same kernel
     ops, the same saved tensors; outputs, gradients and running statistics bit for bit). It runs where the C++ library
@@ -295,13 +308,9 @@ class _LayerStep(torch.autograd.Function):
             running_mean, running_var, num_batches_tracked, momentum = running
             (_triton() if direct else torch.ops.clfast).update_running(running_mean, running_var, num_batches_tracked,
                                                                        params, momentum, count)
-        a = _act_of(act)
-        has_act, has_res = a.name != 'none', residual is not None
-        from_out = has_res and has_act and a.grad_from_out(act_param)
-        ctx.save_for_backward(x, weight, bias, y, params, residual if has_res and has_act and not from_out else None,
-                              out if from_out else None)
+        ctx.save_for_backward(x, weight, bias, y, params, *_act_saves(act, act_param, residual, out))
         ctx.geom, ctx.training, ctx.act, ctx.act_param, ctx.group, ctx.direct = geom, training, act, act_param, group, direct
-        ctx.bn_dtypes = tuple(None if t is None else t.dtype for t in (bn_weight, bn_bias))
+        ctx.bn_dtypes = _dtypes(bn_weight, bn_bias)
         ctx.mark_non_differentiable(y, params)
         ctx.set_materialize_grads(False)
         return out, y, params
@@ -341,7 +350,7 @@ class _LayerStep(torch.autograd.Function):
         # an empty batch's input gradients have no elements, but are there: the layers above run their backward on them
         if needs[0] and grads[0] is None and x.numel() == 0: grads[0] = torch.zeros_like(x)
         if needs[5] and grads[5] is None and dout.numel() == 0: grads[5] = dout   # (the residual has out's shape)
-        grads[3:5] = [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads[3:5], ctx.bn_dtypes)]
+        grads[3:5] = _as_dtypes(grads[3:5], ctx.bn_dtypes)
         return (*grads, *([None] * 11))
 
 class _BnActStep(torch.autograd.Function):
@@ -356,12 +365,9 @@ class _BnActStep(torch.autograd.Function):
         if running is not None and not fold:
             running_mean, running_var, num_batches_tracked, momentum = running
             tk.update_running(running_mean, running_var, num_batches_tracked, params, momentum, out.numel() // out.shape[1])
-        a = _act_of(act)
-        has_act = a.name != 'none'
-        from_out = residual is not None and has_act and a.grad_from_out(act_param)
-        ctx.save_for_backward(y, params, residual if has_act and not from_out else None, out if from_out else None)
-        ctx.training, ctx.act, ctx.act_param, ctx.has_act = training, act, act_param, has_act
-        ctx.bn_dtypes = tuple(None if t is None else t.dtype for t in (bn_weight, bn_bias))
+        ctx.save_for_backward(y, params, *_act_saves(act, act_param, residual, out))
+        ctx.training, ctx.act, ctx.act_param = training, act, act_param
+        ctx.bn_dtypes = _dtypes(bn_weight, bn_bias)
         ctx.set_materialize_grads(False)
         return out
 
@@ -374,14 +380,13 @@ class _BnActStep(torch.autograd.Function):
         y, params, residual, out = ctx.saved_tensors
         n_dy, n_dg, n_dbeta, n_dres = ctx.needs_input_grad[:4]
         if dout.dtype != y.dtype: dout = dout.to(y.dtype)
-        res_through_act = n_dres and ctx.has_act
+        res_through_act = n_dres and _act_of(ctx.act).name != 'none'
         tk = _triton()
         need_y = tk.needs_y(ctx.training, n_dg, ctx.act, out is not None)
         dy, sdz, sdx, dres = tk.bn_act_bwd(dout, y if need_y else None, params, residual, out, ctx.training, ctx.act,
                                            ctx.act_param, n_dy, res_through_act, n_dg or n_dbeta)
         if n_dres and not res_through_act: dres = dout   # no activation: dresidual is dout
-        dg, db = (g if need and g.dtype == dt else g.to(dt) if need else None
-                  for need, g, dt in zip((n_dg, n_dbeta), (sdx, sdz), ctx.bn_dtypes))
+        dg, db = _as_dtypes((sdx if n_dg else None, sdz if n_dbeta else None), ctx.bn_dtypes)
         return (dy, dg, db, dres, *([None] * 7))
 
 def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, running_var, num_batches_tracked,

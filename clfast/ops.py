@@ -261,7 +261,7 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #e5cbd120
+# %% ../nbs/21_ops.ipynb #5f2904a0
 def _act_saves(act:int, act_param:float, residual:Tensor|None, out:Tensor) -> tuple:
     """What a layer's backward keeps for act' past its residual add, `(residual, out)`, None where not needed: the
     output where act' is read from it, else the residual to recompute `z` (without a residual, `z` comes from `y`)"""
@@ -280,10 +280,11 @@ class _LayerStep(torch.autograd.Function):
     ops, the same saved tensors; outputs, gradients and running statistics bit for bit). It runs where the C++ library
     is not loaded (a GPU machine without a C++ toolchain; on CPU kernels it cost 66 us more host time per layer step
     than the C++ node, 8 channels, Zen 5: 252 against 186 us), and where the Triton kernels serve the layer untraced
-    (`direct`, CUDA) for 'memory', a synchronized layer and one saved as a recipe: it calls them as functions, with no
-    dispatcher between (`_direct`), and hands the statistics pass the running statistics to update (`running`: with a
-    momentum), one launch fewer than the ops' separate `update_running`. The running statistics are updated in forward, before autograd saves the node's tensors, as the
-    C++ node does (a gradient checkpoint's recomputation updates them again, as it does BatchNorm's). Where the Triton
+    (`direct`, CUDA) for a layer that recomputes its conv ('memory' not remembering), a synchronized layer and one on
+    other layouts than channels-last: it calls them as functions, with no dispatcher between (`_direct`), and hands the
+    statistics pass the running statistics to update (`running`: with a momentum), one launch fewer than the ops'
+    separate `update_running`. The running statistics are updated in forward, before autograd saves the node's
+    tensors, as the C++ node does (a gradient checkpoint's recomputation updates them again, as it does BatchNorm's). Where the Triton
     kernels are called directly, a layer whose node need not hold its conv runs `_BnActStep` instead (`_conv_bn_act`)"""
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom:ConvGeometry, eps, act, act_param,
@@ -356,7 +357,8 @@ class _LayerStep(torch.autograd.Function):
 class _BnActStep(torch.autograd.Function):
     """`act(bn(y) [+ residual])` of a fused layer whose conv is autograd's own node (`y` its output; or the conv-less
     layer's input), on the Triton kernels called as functions (`_direct`): `_LayerStep`'s forward and backward past the
-    conv, the same kernels and launches, the running statistics updated in forward as there"""
+    conv, the same kernels and launches, the running statistics updated in forward as there. Returns `(out, params)`,
+    `params` (not differentiable) for a recipe of `out` (`clfast.recompute.remember`)"""
     @staticmethod
     def forward(ctx, y, bn_weight, bn_bias, residual, mean, var, eps, act, act_param, training, running:tuple|None):
         fold = running is not None and running[3] is not None   # a momentum: the statistics pass updates them
@@ -368,11 +370,12 @@ class _BnActStep(torch.autograd.Function):
         ctx.save_for_backward(y, params, *_act_saves(act, act_param, residual, out))
         ctx.training, ctx.act, ctx.act_param = training, act, act_param
         ctx.bn_dtypes = _dtypes(bn_weight, bn_bias)
+        ctx.mark_non_differentiable(params)
         ctx.set_materialize_grads(False)
-        return out
+        return out, params
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dparams):
         if torch.is_grad_enabled():
             raise RuntimeError("clfast's fused conv-BN has no double backward (create_graph=True): unfuse the model "
                                "(clfast.fuse.unfuse_conv_bn) for higher-order gradients")
@@ -394,9 +397,9 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
                  keep_y:bool, group:str='', direct:bool=False, remember=None) -> Tensor:
     """`torch.ops.clfast.conv_bn_act` in Python (same arguments), as `csrc/layer_op.cpp`'s `conv_bn_act`; `direct`: the
     Triton kernels called as functions (`_direct`), with autograd's own conv node where the layer's node need not hold
-    it (`_BnActStep`: 'speed' on channels-last tensors, and the conv-less layer); `remember`: the layer's key (its conv
-    module) where its output is saved for backward as a recipe over `y` (`clfast.recompute`: a layer with a conv, no
-    residual and `keep_y`, not synchronized)"""
+    it (`_BnActStep`: a layer that keeps `y`, on channels-last tensors: 'speed', or 'memory' remembering; and the
+    conv-less layer); `remember`: the layer's key (its conv module) where its output is saved for backward as a recipe
+    over `y` (`clfast.recompute`: a layer with a conv, no residual and `keep_y`, not synchronized)"""
     batch_stats = training or running_mean is None or running_var is None
     mean = var = None
     if not batch_stats:   # copies: a later in-place update of the running statistics must not change what backward saved
@@ -404,16 +407,18 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
     synced = group if batch_stats else ''
     update = training and (running_mean is not None or num_batches_tracked is not None)
     running = (running_mean, running_var, num_batches_tracked, momentum) if update else None
-    if (direct and not synced and remember is None
+    if (direct and not synced
             and (weight is None or (keep_y and x.is_contiguous(memory_format=torch.channels_last)
                                     and weight.is_contiguous(memory_format=torch.channels_last)))):
         # the conv autograd's own node (its backward in C++), clfast's node the rest. Channels-last tensors only, which
-        # `_conv` would convolve as they are: the conv of other layouts is `_conv`'s, on channels-last copies
+        # `_conv` would convolve as they are: the conv of other layouts is `_conv`'s, on channels-last copies. What the
+        # two nodes save is what `_LayerStep` saves (x and the weight the conv's, y and params clfast's)
         y = x if weight is None else torch.conv2d(x, weight, bias, stride, padding, dilation, groups)
-        return _BnActStep.apply(y, bn_weight, bn_bias, residual, mean, var, eps, act, act_param, batch_stats, running)
-    geom = ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups)
-    out, y, params = _LayerStep.apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act, act_param,
-                                 keep_y and weight is not None, batch_stats, synced, direct, running)
+        out, params = _BnActStep.apply(y, bn_weight, bn_bias, residual, mean, var, eps, act, act_param, batch_stats, running)
+    else:
+        geom = ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups)
+        out, y, params = _LayerStep.apply(x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom, eps, act,
+                                          act_param, keep_y and weight is not None, batch_stats, synced, direct, running)
     if remember is not None and not synced and y.numel():
         remember_output(remember, out, y, params, act, act_param, direct)
     return out

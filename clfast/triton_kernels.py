@@ -630,7 +630,7 @@ def bwd(g:Tensor, x:Tensor|None, mean:Tensor, invstd:Tensor, scale:Tensor, shift
                              training, dy if want_dy else None, dres if want_dres else None, grad_means, want_sums)
     return dy, sdz, sdx, dres
 
-# %% ../nbs/20_triton_kernels.ipynb #3b9ae077
+# %% ../nbs/20_triton_kernels.ipynb #44693625
 def _fmt(x:Tensor): return torch.channels_last_3d if x.dim() == 5 else torch.channels_last
 
 def _cl(t:Tensor) -> Tensor:
@@ -645,8 +645,9 @@ def _conv(x, weight, bias, geom) -> Tensor:
     "`conv(x)` in channels-last, through ATen; `x` itself for a layer without a conv (`weight` None: BatchNorm alone)"
     if weight is None: return _cl(x)
     n = x.dim() - 2
-    y = torch.ops.aten.convolution(_cl(x), _cl(weight), bias, _lst(geom.stride, n), _lst(geom.padding, n),
-                                   _lst(geom.dilation, n), False, [0] * n, geom.groups)
+    # (ATen's convolution through its Python binding: the same op as `torch.ops.aten.convolution`, ~4 us less host time)
+    y = torch.convolution(_cl(x), _cl(weight), bias, _lst(geom.stride, n), _lst(geom.padding, n),
+                          _lst(geom.dilation, n), False, [0] * n, geom.groups)
     return _cl(y)
 
 # %% ../nbs/20_triton_kernels.ipynb #d36b393e

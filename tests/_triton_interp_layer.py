@@ -173,6 +173,33 @@ def test_direct_step_is_the_ops_in_any_layout(dt):
         for i, (a, b) in enumerate(zip(step(False, x_cl, w_cl), step(True, x_cl, w_cl))):
             assert a.stride() == b.stride() and torch.equal(a, b), (x_cl, w_cl, i)
 
+def test_direct_remembering_step_is_the_ops():
+    """A 'memory' layer remembering its output (`clfast.recompute`), CUDA's eager way (autograd's own conv node and
+    `_BnActStep`), gives the kernel ops' step (`_LayerStep`) bit for bit: output, every gradient, running statistics;
+    in both the output read by the next op is saved as the recipe, recomputed once in backward (`layer_out`)"""
+    from clfast.recompute import recomputed_outputs
+    assert ops.kernels_ready()
+    def step(direct):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 4, 6, 6, generator=g).to(memory_format=torch.channels_last).requires_grad_()
+        w = torch.randn(5, 4, 3, 3, generator=g).to(memory_format=torch.channels_last).requires_grad_()
+        bw, bb = torch.rand(5, generator=g).requires_grad_(), torch.randn(5, generator=g).requires_grad_()
+        factor = torch.full((), 1.5, requires_grad=True)
+        rm, rv, nbt, key = torch.zeros(5), torch.ones(5), torch.tensor(0), nn.Identity()
+        calls, real = [], triton_kernels.layer_out
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(triton_kernels, 'layer_out', lambda *a: calls.append(1) or real(*a))
+            with recomputed_outputs():
+                out = ops._conv_bn_act(x, w, None, bw, bb, None, rm, rv, nbt, True, 0.1, 1e-5, [1, 1], [1, 1], [1, 1], 1,
+                                       ACTS['silu'].code, 0., True, '', direct=direct, remember=key)
+                prod = out * factor   # saves the output: the recipe
+            assert type(out.grad_fn).__name__ == ('_BnActStepBackward' if direct else '_LayerStepBackward')
+            prod.backward(torch.randn(out.shape, generator=g))
+        assert calls == [1]   # (the kernel ops' `clfast::layer_out` is the same function, served by the Triton kernels)
+        return [out, x.grad, w.grad, bw.grad, bb.grad, factor.grad, rm, rv, nbt]
+    for i, (a, b) in enumerate(zip(step(False), step(True))):
+        assert a.stride() == b.stride() and torch.equal(a, b), i
+
 def test_direct_step_computes_in_the_inputs_dtype_under_autocast():
     """`fused_conv_bn` under autocast computes in its inputs' dtypes, as the kernel ops do (the fused modules cast
     first): the direct step's output and gradients are the step's without autocast, bit for bit (its conv, autograd's

@@ -27,6 +27,20 @@ def test_a_fused_step_launches_no_more_kernels_than_stock(dtype, act, residual, 
     l = host_cost.launches(dtype, act, residual, mode)
     assert len(l['triton']) + len(l['aten']) <= len(l['stock']), l
 
+def test_the_memory_step_is_a_fits():
+    """'memory' is counted and timed as a fit runs it: inside `recomputed_outputs()` with the output read by a product,
+    the layer without a residual remembers (its output recomputed from the recipe in backward: a second apply pass,
+    `_fwd`; no conv), the one with a residual recomputes its conv; the process's recipe way is left as it was"""
+    from clfast import fused
+    before = fused.set_recipe_way('conv')
+    try:
+        plain, res = (host_cost.launches(torch.float32, 'relu', r, 'memory') for r in (False, True))
+        assert fused._recipe_way == 'conv'
+    finally: fused.set_recipe_way(before)
+    assert plain['triton'] == ['_stats', '_fwd', '_fwd', '_bwd_sums', '_bwd_dx'], plain
+    assert res['triton'] == ['_stats', '_fwd', '_bwd_sums', '_bwd_dx'], res
+    assert plain['aten'].count('mul') == plain['stock'].count('mul') > 0   # the product, both ways
+
 @pytest.mark.cuda
 @pytest.mark.parametrize('momentum,want', [(0.1, ['_stats', '_fwd', '_bwd_sums', '_bwd_dx']),
                                            (None, ['_stats', '_fwd', '_running', '_bwd_sums', '_bwd_dx'])])

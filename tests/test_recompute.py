@@ -254,6 +254,31 @@ def test_in_place_changes():
         grads.append(w.grad.clone())
     assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
 
+@pytest.mark.usefixtures('recipe_way', 'fused_way')
+def test_a_recipe_lives_as_long_as_its_output():
+    """A remembered output's recipe, and the `y` it holds, go when the output goes, without the cyclic collector (a
+    forward never backpropagated, or a backward done, leaves no activation behind); a recipe is its output's alone
+    (looked up by identity: a later tensor is not taken for a freed one)"""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    torch.manual_seed(0)
+    layer = FusedConvBN2d(4, 4, 3, padding=1, mode='memory').to(memory_format=torch.channels_last)
+    x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)
+    w = torch.randn(1, 4, 1, 1, requires_grad=True)
+    for backward in (False, True):
+        with recomputed_outputs():
+            h = layer(x)
+            p = h * w   # saves h: its recipe
+        r = recompute._recipes[id(h)]
+        assert r.out() is h
+        y = StorageWeakRef(r.y.untyped_storage())
+        if backward: p.sum().backward()
+        del p, h, r
+        assert y.expired() and not recompute._recipes
+    t = torch.randn(3)
+    recompute._recipes[id(t)] = recompute._Recipe(torch.randn(3), None, None, 0, 0., False, [0, 0, 0])   # a stale entry
+    try: assert recompute._recipe(t) is None
+    finally: recompute._recipes.clear()
+
 def test_not_reentrant_and_left_cleanly():
     ctx = recomputed_outputs()
     with ctx:

@@ -261,7 +261,7 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #5f2904a0
+# %% ../nbs/21_ops.ipynb #1014deb5
 def _act_saves(act:int, act_param:float, residual:Tensor|None, out:Tensor) -> tuple:
     """What a layer's backward keeps for act' past its residual add, `(residual, out)`, None where not needed: the
     output where act' is read from it, else the residual to recompute `z` (without a residual, `z` comes from `y`)"""
@@ -284,8 +284,9 @@ class _LayerStep(torch.autograd.Function):
     other layouts than channels-last: it calls them as functions, with no dispatcher between (`_direct`), and hands the
     statistics pass the running statistics to update (`running`: with a momentum), one launch fewer than the ops'
     separate `update_running`. The running statistics are updated in forward, before autograd saves the node's
-    tensors, as the C++ node does (a gradient checkpoint's recomputation updates them again, as it does BatchNorm's). Where the Triton
-    kernels are called directly, a layer whose node need not hold its conv runs `_BnActStep` instead (`_conv_bn_act`)"""
+    tensors, as the C++ node does (a gradient checkpoint's recomputation updates them again, as it does BatchNorm's).
+    Where the Triton kernels are called directly, a layer whose node need not hold its conv runs `_BnActStep` instead
+    (`_conv_bn_act`)"""
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom:ConvGeometry, eps, act, act_param,
                 keep_y, training, group, direct:bool=False, running:tuple|None=None):

@@ -12,7 +12,7 @@ from torch import Tensor
 # %% auto #0
 __all__ = ['remember', 'remembers', 'observing', 'observed', 'recomputing', 'recomputed_outputs']
 
-# %% ../nbs/23a_recompute.ipynb #9bcb20f2
+# %% ../nbs/23a_recompute.ipynb #ec1c9d23
 # a fused layer's output's id -> its `_Recipe`, for as long as the output lives (the recipe's weak reference to it
 # drops the entry). A plain dict: every tensor saved inside `recomputed_outputs()` is looked up, and torch's
 # WeakIdKeyDictionary made a weak reference in Python for each lookup
@@ -27,9 +27,11 @@ class _Recipe:
     and the `params` (scale and shift rows) the forward normalized with, bit for bit (`clfast::layer_out`)"""
     __slots__ = ('out', 'y', 'params', 'act', 'act_param', 'direct', 'out_version', 'counts')
     def __init__(self, out:Tensor, y:Tensor, params:Tensor, act:int, act_param:float, direct:bool, counts:list):
-        key = id(out)
-        # (the callback holds the key, not the recipe: a recipe it held would be a cycle, freed only by the collector)
-        self.out = weakref.ref(out, lambda ref: _recipes.pop(key) if getattr(_recipes.get(key), 'out', None) is ref else None)
+        # (the callback holds the key and the dict, not the recipe: a recipe it held would be a cycle, freed only by
+        # the collector; nor the module's globals, which may be gone when the last outputs go at exit)
+        def forget(ref, key=id(out), recipes=_recipes):
+            if getattr(recipes.get(key), 'out', None) is ref: del recipes[key]
+        self.out = weakref.ref(out, forget)
         self.y, self.params, self.act, self.act_param, self.direct = y, params, act, act_param, direct
         self.out_version, self.counts = out._version, counts
 

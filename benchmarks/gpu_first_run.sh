@@ -11,7 +11,8 @@
 # every setup issue 34 names, in rounds, the table last; by default fp16 at batch 256, where the row the last GPU run
 # left short is: 'memory', 0.82x stock eagerly), then with what is left where a fused layer step's host time goes
 # (benchmarks/probe_host_time.py: synchronizations, CUDA runtime calls, Python's own time per function), a fused layer
-# step's host time against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included), the kernels' tilings
+# step's host time against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included; then a whole
+# resnet50 'memory' step's, `--model resnet50 --mode memory`), the kernels' tilings
 # against the default (benchmarks/sweep_kernel_tiles.py: each pass's fraction of a copy's bandwidth, issue 34 item 5)
 # and the kernel benchmarks against stock cuDNN.
 #
@@ -87,9 +88,12 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
          case " $STEPS " in *" fit "[a-z]*) [ "$lim" -gt "$FIT_S" ] && lim=$FIT_S ;; esac
          if [ "$lim" -gt 60 ]; then step fit "$lim" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( lim - 50 ))" $FIT_ARGS
          else echo "== fit: not run ($(left)s left)"; fi ;;
-    # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes
+    # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes; then a
+    # whole resnet50's 'memory' step (2 images of 32 px: host-bound), the one fit row the goal still lacks eagerly
     host) if [ "$(left)" -gt 60 ]; then step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50
-          else echo "== host: not run ($(left)s left)"; fi ;;
+          else echo "== host: not run ($(left)s left)"; fi
+          if [ "$(left)" -gt 60 ]; then step host:model 45 "$PY" -m clfast.host_cost --device cuda --model resnet50 --mode memory --pairs 15
+          else echo "== host:model: not run ($(left)s left)"; fi ;;
     # probe: where a fused layer step's host time goes (1.5-1.9x stock's on the H200, session 55: no synchronization,
     # Triton's launches from Python the largest term), each way forced, bf16 and fp32 (about 30 s; the questions of
     # benchmarks/probe_slow_gpu_rows.py, fp16's 'memory' and eager 'speed' at batch 64, were answered there: the host)

@@ -81,6 +81,20 @@ def test_the_proxy_times_both_steps_and_stubs_convs_on_the_cpu_only():
         assert t['fused'] > 0 and t['stock'] > 0
     with pytest.raises(ValueError, match="CPU proxy's"): host_cost.host_times(n=3, device='cuda', stub_convs=True)
 
+def test_a_whole_models_step_is_timed_both_ways_and_the_ways_restored():
+    """`model_host_times`: a whole model's step, fused in each mode and stock, on the CPU proxy (real convs or stubbed);
+    the process's layer and recipe ways as they were after it; a GPU's convs are not stubbed"""
+    from clfast import fused
+    before = fused.set_layer_way('stock'), fused.set_recipe_way('conv')
+    try:
+        for mode, stub in (('speed', True), ('memory', False)):
+            t = host_cost.model_host_times('resnet18', mode, n=2, stub_convs=stub)
+            assert t['fused'] > 0 and t['stock'] > 0
+            assert (fused._layer_way, fused._recipe_way) == ('stock', 'conv')
+    finally: fused.set_layer_way(before[0]); fused.set_recipe_way(before[1])
+    with pytest.raises(ValueError, match="CPU proxy's"): host_cost.model_host_times(device='cuda', stub_convs=True)
+    with pytest.raises(ValueError, match="must be 'cpu'"): host_cost.model_table(device='mps')
+
 def test_a_device_other_than_the_cpu_or_a_gpu_is_refused():
     """'cuda:0' is a GPU (it used to get the CPU proxy's figures, and a table labelled 'cuda:0'); a device neither the
     proxy's nor CUDA's is a clear error, before anything is timed"""

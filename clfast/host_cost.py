@@ -249,7 +249,7 @@ def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu', pairs:int=2
                     f"{t['stock']:.0f} | {t['fused'] / t['stock']:.2f}x |{also}")
     return '\n'.join(rows)
 
-# %% ../nbs/28_host_cost.ipynb #0d255192
+# %% ../nbs/28_host_cost.ipynb #2209ccc4
 def model_steps(arch:str='resnet50', mode:str='speed', device='cpu', size:int=32, batch:int=2) -> tuple:
     """`(stock, fused)`: one training step each (forward, a sum's backward; gradients fresh) of torchvision's `arch` in
     channels-last on a batch of `batch` images of `size` px: the stock model, and a copy fused in `mode` (its forward
@@ -290,7 +290,13 @@ def model_host_times(arch:str='resnet50', mode:str='speed', device:str='cpu', n:
         else:
             ops.kernels_ready()
             convs = stubbed_convs() if stub_convs else contextlib.nullcontext()
-            with ops.kernels_from('triton', 'CPU'), triton_names(), convs, _recipes_kept(): f, s = timed()
+            # one thread, as a GPU's host issues a step: ATen's pool on this model's CPU ops moved the stock step's time
+            # by up to 1.3x between runs on a 2-core VM (0.78-1.04x for the same 'speed' code), steady on one thread
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                with ops.kernels_from('triton', 'CPU'), triton_names(), convs, _recipes_kept(): f, s = timed()
+            finally: torch.set_num_threads(threads)
     finally: set_layer_way(before)
     return dict(fused=f / 1e3, stock=s / 1e3)
 

@@ -543,15 +543,22 @@ def test_setup_builds_no_kernels_unless_asked(tmp_path):
 
 @pytest.mark.isa_neutral
 def test_clfast_build_seals_what_it_builds():
-    "A library `clfast build` built loads without a rebuild (it is sealed as first use seals), and `built_levels` lists it"
+    """A library `clfast build` built loads without a rebuild (it is sealed as first use seals), and `built_levels` lists
+    it. On the library already built: a no-op build, then its seal written again (a missing seal would have the build
+    drop the library as a killed build's and compile it again, 45 s of the test command)"""
     if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
     level = cpu_kernels.clfast_isa()
     if cpu_kernels.installed_library(level)[0]: pytest.skip("this install's package holds the library: nothing to build")
     ops.kernels_ready()   # built (once) and loaded
-    seal = cpu_kernels._cached_library(level).with_suffix('.sha1')
-    seal.unlink()
+    lib = cpu_kernels._cached_library(level)
+    seal = lib.with_suffix('.sha1')
+    seal.write_text('')   # as a build killed before its seal leaves it, but for the library, whole here
     assert not cpu_kernels._sealed(level) and cpu_kernels.built_levels()[level] == ''
-    cpu_kernels.build([level])   # already built: a no-op build, then its seal
+    built = lib.stat().st_mtime_ns
+    with pytest.MonkeyPatch.context() as mp:   # (not dropped as unsealed: this test is of the seal, not of the drop)
+        mp.setattr(cpu_kernels, '_drop_unsealed', lambda level: False)
+        cpu_kernels.build([level])
+    assert lib.stat().st_mtime_ns == built   # nothing compiled
     assert cpu_kernels._sealed(level) and cpu_kernels.built_levels()[level] == 'cache'
 
 def test_build_refuses_levels_above_this_cpu():

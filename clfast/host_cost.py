@@ -249,17 +249,19 @@ def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu', pairs:int=2
                     f"{t['stock']:.0f} | {t['fused'] / t['stock']:.2f}x |{also}")
     return '\n'.join(rows)
 
-# %% ../nbs/28_host_cost.ipynb #2209ccc4
+# %% ../nbs/28_host_cost.ipynb #c730120d
 def model_steps(arch:str='resnet50', mode:str='speed', device='cpu', size:int=32, batch:int=2) -> tuple:
     """`(stock, fused)`: one training step each (forward, a sum's backward; gradients fresh) of torchvision's `arch` in
     channels-last on a batch of `batch` images of `size` px: the stock model, and a copy fused in `mode` (its forward
     inside `recomputed_outputs()` in 'memory', as clfast's `ChannelsLast` runs it)"""
     import torchvision
     from clfast.fuse import fuse_conv_bn
-    torch.manual_seed(0)
-    stock = getattr(torchvision.models, arch)(num_classes=10).to(device, memory_format=torch.channels_last).train()
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev] if dev.type == 'cuda' else []):   # seeded here, the caller's stream kept
+        torch.manual_seed(0)
+        stock = getattr(torchvision.models, arch)(num_classes=10).to(dev, memory_format=torch.channels_last).train()
+        x = torch.randn(batch, 3, size, size, device=dev).to(memory_format=torch.channels_last)
     fused = fuse_conv_bn(copy.deepcopy(stock), mode)
-    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
     def step_of(model, hooks):
         params = list(model.parameters())
         def step():

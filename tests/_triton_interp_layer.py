@@ -138,8 +138,9 @@ def test_direct_step_is_the_ops(momentum, stats, nbt):
         with gpu_report.recording() as launches:
             got = _layer_step(op, torch.float32, training, res, act, keep_y, conv, momentum, stats, nbt)
         return got, [l.name for l in launches]
-    # 'speed' and the conv-less layer (autograd's conv node, `_BnActStep`) and 'memory' (`_LayerStep`), in training and
-    # eval, an activation whose derivative is read from the output or recomputed, or none
+    # 'speed' and the conv-less layer (autograd's conv node, `_BnActStep`) and 'memory' recomputing its conv
+    # (`_LayerStep`), in training and eval, an activation whose derivative is read from the output or recomputed, or none
+    # (a 'memory' layer remembering its output: `test_direct_remembering_step_is_the_ops`)
     for case in [(True, True, 'relu', True, True), (False, True, 'silu', True, True), (True, False, 'none', True, True),
                  (True, True, 'relu', False, True), (False, False, 'silu', False, True), (True, True, 'silu', True, False)]:
         (want, ops_launches), (got, direct_launches) = step(ops._conv_bn_act, *case), step(ops._DIRECT, *case)

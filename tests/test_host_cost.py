@@ -86,12 +86,16 @@ def test_a_whole_models_step_is_timed_both_ways_and_the_ways_restored():
     the process's layer and recipe ways as they were after it; a GPU's convs are not stubbed"""
     from clfast import fused
     before = fused.set_layer_way('stock'), fused.set_recipe_way('conv')
+    torch.manual_seed(1)
+    want = torch.rand(3)
+    torch.manual_seed(1)
     try:
         for mode, stub in (('speed', True), ('memory', False)):
             t = host_cost.model_host_times('resnet18', mode, n=2, stub_convs=stub)
             assert t['fused'] > 0 and t['stock'] > 0
             assert (fused._layer_way, fused._recipe_way) == ('stock', 'conv')
     finally: fused.set_layer_way(before[0]); fused.set_recipe_way(before[1])
+    assert torch.equal(torch.rand(3), want)   # the models were seeded apart: the caller's random stream is as it was
     with pytest.raises(ValueError, match="CPU proxy's"): host_cost.model_host_times(device='cuda', stub_convs=True)
     with pytest.raises(ValueError, match="must be 'cpu'"): host_cost.model_table(device='mps')
 

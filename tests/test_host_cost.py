@@ -98,6 +98,14 @@ def test_a_whole_models_step_is_timed_both_ways_and_the_ways_restored():
     assert torch.equal(torch.rand(3), want)   # the models were seeded apart: the caller's random stream is as it was
     with pytest.raises(ValueError, match="CPU proxy's"): host_cost.model_host_times(device='cuda', stub_convs=True)
     with pytest.raises(ValueError, match="must be 'cpu'"): host_cost.model_table(device='mps')
+    with pytest.raises(ValueError, match="'resnet5O' is not a torchvision classification model"): host_cost.model_steps('resnet5O')
+
+@pytest.mark.parametrize('argv,says', [(['--model', 'resnet50', 'resnet5O'], "--model: not torchvision classification models: resnet5O"),
+                                       (['--pairs', '0'], "--pairs: must be at least 1, got 0")])
+def test_the_command_refuses_bad_options_before_timing(argv, says, capsys):
+    "A misspelt model or no pairs: argparse's one-line error (exit 2) before anything is built or timed"
+    with pytest.raises(SystemExit) as e: host_cost.main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err
 
 def test_a_device_other_than_the_cpu_or_a_gpu_is_refused():
     """'cuda:0' is a GPU (it used to get the CPU proxy's figures, and a table labelled 'cuda:0'); a device neither the

@@ -89,10 +89,10 @@ p, why = c.installed_library(); assert p, why; torch.ops.load_library(str(p)); p
          if [ "$lim" -gt 60 ]; then step fit "$lim" "$PY" benchmarks/bench_gpu_fit.py --budget "$(( lim - 50 ))" $FIT_ARGS
          else echo "== fit: not run ($(left)s left)"; fi ;;
     # host: Triton's launch both ways (its own, the compiled kernels'), and its first compiles of these shapes; then a
-    # whole resnet50's 'memory' step (2 images of 32 px: host-bound), the one fit row the goal still lacks eagerly
+    # whole resnet50's 'memory' step both ways (2 images of 32 px: host-bound), the one fit row the goal still lacks eagerly
     host) if [ "$(left)" -gt 60 ]; then step host 55 "$PY" -m clfast.host_cost --device cuda --pairs 50
           else echo "== host: not run ($(left)s left)"; fi
-          if [ "$(left)" -gt 60 ]; then step host:model 45 "$PY" -m clfast.host_cost --device cuda --model resnet50 --mode memory --pairs 15
+          if [ "$(left)" -gt 75 ]; then step host:model 60 "$PY" -m clfast.host_cost --device cuda --model resnet50 --mode memory --pairs 15
           else echo "== host:model: not run ($(left)s left)"; fi ;;
     # probe: where a fused layer step's host time goes (1.5-1.9x stock's on the H200, session 55: no synchronization,
     # Triton's launches from Python the largest term), each way forced, bf16 and fp32 (about 30 s; the questions of

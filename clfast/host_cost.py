@@ -250,7 +250,7 @@ def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu', pairs:int=2
                     f"{t['stock']:.0f} | {t['fused'] / t['stock']:.2f}x |{also}")
     return '\n'.join(rows)
 
-# %% ../nbs/28_host_cost.ipynb #4644d9c7
+# %% ../nbs/28_host_cost.ipynb #dc83aba5
 def model_steps(arch:str='resnet50', mode:str='speed', device='cpu', size:int=32, batch:int=2) -> tuple:
     """`(stock, fused)`: one training step each (forward, a sum's backward; gradients fresh) of torchvision's `arch` in
     channels-last on a batch of `batch` images of `size` px: the stock model, and a copy fused in `mode` (its forward
@@ -280,7 +280,8 @@ def model_host_times(arch:str='resnet50', mode:str='speed', device:str='cpu', n:
     """A whole model's training step's host time, in ms, fused (every layer clfast's op, 'memory' layers remembering
     where a recipe is taken) and stock, in `n` alternating pairs (`paired_ratio`): `host_times`' proxy on 'cpu' (the
     Triton kernel set serving the CPU, launches stubbed; `stub_convs`: convs computing nothing), the real thing on
-    'cuda', `k` steps issued between synchronizations"""
+    'cuda', `k` steps issued between synchronizations, the fused step both ways Triton's kernels can be launched
+    (`fused` Triton's own, `fused_compiled` through the compiled kernels)"""
     kind = _device_kind(device)
     if stub_convs and kind != 'cpu': raise ValueError("stub_convs is the CPU proxy's: a GPU's convs are launches already")
     def timed():
@@ -288,11 +289,14 @@ def model_host_times(arch:str='resnet50', mode:str='speed', device:str='cpu', n:
         # (first calls: Triton's compiles on a GPU, each layer's checks, a 'memory' layer's count of its recipes taken)
         for _ in range(3): stock(); fused()
         if kind == 'cpu': return _paired_us(stock, fused, n)
-        return _paired_us(_issued(stock, k), _issued(fused, k), n, k)
+        stock, fused = _issued(stock, k), _issued(fused, k)
+        with tk.launching('compiled'): compiled, _ = _paired_us(stock, fused, n, k)
+        return (*_paired_us(stock, fused, n, k), compiled)
     before = set_layer_way('fused')   # every fused layer runs clfast's op ('timed' could pick either way per layer)
     try:
         if kind == 'cuda':
-            with torch.cuda.device(torch.device(device)), _recipes_kept(): f, s = timed()
+            with torch.cuda.device(torch.device(device)), _recipes_kept(): f, s, compiled = timed()
+            return dict(fused=f / 1e3, fused_compiled=compiled / 1e3, stock=s / 1e3)
         else:
             ops.kernels_ready()
             convs = stubbed_convs() if stub_convs else contextlib.nullcontext()
@@ -308,11 +312,14 @@ def model_host_times(arch:str='resnet50', mode:str='speed', device:str='cpu', n:
 
 def model_table(archs=('resnet50',), mode:str='speed', device:str='cpu', pairs:int=60, stub_convs:bool=False) -> str:
     "A markdown table: per model, a training step's host time fused in `mode` and stock (`model_host_times`)"
-    where = str(device) if _device_kind(device) == 'cuda' else 'CPU proxy' + (', convs stubbed' if stub_convs else '')
-    rows = [f"| model, 2 x 32 px | mode | fused host ms ({where}) | stock host ms | ratio |", "|---|---|---|---|---|"]
+    gpu = _device_kind(device) == 'cuda'
+    where = str(device) if gpu else 'CPU proxy' + (', convs stubbed' if stub_convs else '')
+    rows = [f"| model, 2 x 32 px | mode | fused host ms ({where}) | stock host ms | ratio |"
+            + (" fused host ms, compiled launches | ratio |" if gpu else ''), "|---|---|---|---|---|" + ('---|---|' if gpu else '')]
     for arch in archs:
         t = model_host_times(arch, mode, device, pairs, stub_convs=stub_convs)
-        rows.append(f"| {arch} | {mode} | {t['fused']:.2f} | {t['stock']:.2f} | {t['fused'] / t['stock']:.2f}x |")
+        also = f" {t['fused_compiled']:.2f} | {t['fused_compiled'] / t['stock']:.2f}x |" if gpu else ''
+        rows.append(f"| {arch} | {mode} | {t['fused']:.2f} | {t['stock']:.2f} | {t['fused'] / t['stock']:.2f}x |{also}")
     return '\n'.join(rows)
 
 # %% ../nbs/28_host_cost.ipynb #e0d424ea

@@ -173,7 +173,15 @@ def launches(dtype=torch.float32, act='relu', residual=False, mode='speed', shap
     with profile(activities=[ProfilerActivity.CPU]) as q: s()
     return dict(triton=names, aten=kernel_ops(p), stock=kernel_ops(q))
 
-# %% ../nbs/28_host_cost.ipynb #af15afdf
+# %% ../nbs/28_host_cost.ipynb #207a5c37
+@contextlib.contextmanager
+def _cpu_proxy(stub_convs:bool):
+    """Inside the block the CUDA path's Python runs on CPU tensors: the Triton kernel set serves the CPU, each launch
+    stubbed (`stub_convs`: each conv too), 'memory' layers remembering; a stock step runs no clfast op, unchanged inside"""
+    ops.kernels_ready()
+    convs = stubbed_convs() if stub_convs else contextlib.nullcontext()
+    with ops.kernels_from('triton', 'CPU'), triton_names(), convs, _recipes_kept(): yield
+
 def _issued(step, k:int):
     "`k` steps issued back to back, then the GPU synchronized: host-bound where a step's GPU work is tiny"
     def run():
@@ -223,9 +231,7 @@ def host_times(dtype=torch.float32, act='relu', residual=False, mode='speed', ch
                 stock_way, _ = _paired_us(stock, fused, n, k)
             finally: set_layer_way(before)
         return dict(fused=f, fused_compiled=compiled, fused_stock_way=stock_way, stock=s)
-    ops.kernels_ready()
-    convs = stubbed_convs() if stub_convs else contextlib.nullcontext()
-    with ops.kernels_from('triton', 'CPU'), triton_names(), convs, _recipes_kept():   # the stock step runs no clfast op: unchanged inside
+    with _cpu_proxy(stub_convs):
         f, s = _paired_us(stock_step(dtype, act, residual, shape, device='cpu', mode=mode),
                           fused_step(dtype, act, residual, mode, shape, device='cpu'), n)
     return dict(fused=f, stock=s)
@@ -250,14 +256,20 @@ def host_cost_table(cases=CASES, mode:str='speed', device:str='cpu', pairs:int=2
                     f"{t['stock']:.0f} | {t['fused'] / t['stock']:.2f}x |{also}")
     return '\n'.join(rows)
 
-# %% ../nbs/28_host_cost.ipynb #dc83aba5
+# %% ../nbs/28_host_cost.ipynb #b3fad639
+def _not_torchvision(archs) -> list[str]:
+    "Those of `archs` that are not torchvision classification models"
+    import torchvision
+    known = set(torchvision.models.list_models(module=torchvision.models))
+    return [a for a in archs if a not in known]
+
 def model_steps(arch:str='resnet50', mode:str='speed', device='cpu', size:int=32, batch:int=2) -> tuple:
     """`(stock, fused)`: one training step each (forward, a sum's backward; gradients fresh) of torchvision's `arch` in
     channels-last on a batch of `batch` images of `size` px: the stock model, and a copy fused in `mode` (its forward
     inside `recomputed_outputs()` in 'memory', as clfast's `ChannelsLast` runs it)"""
     import torchvision
     from clfast.fuse import fuse_conv_bn
-    if arch not in torchvision.models.list_models(module=torchvision.models):
+    if _not_torchvision([arch]):
         raise ValueError(f"{arch!r} is not a torchvision classification model (torchvision.models.list_models(): "
                          "resnet50, efficientnet_b0, ...)")
     dev = torch.device(device)
@@ -297,16 +309,13 @@ def model_host_times(arch:str='resnet50', mode:str='speed', device:str='cpu', n:
         if kind == 'cuda':
             with torch.cuda.device(torch.device(device)), _recipes_kept(): f, s, compiled = timed()
             return dict(fused=f / 1e3, fused_compiled=compiled / 1e3, stock=s / 1e3)
-        else:
-            ops.kernels_ready()
-            convs = stubbed_convs() if stub_convs else contextlib.nullcontext()
-            # one thread, as a GPU's host issues a step: ATen's pool on this model's CPU ops moved the stock step's time
-            # by up to 1.3x between runs on a 2-core VM (0.78-1.04x for the same 'speed' code), steady on one thread
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                with ops.kernels_from('triton', 'CPU'), triton_names(), convs, _recipes_kept(): f, s = timed()
-            finally: torch.set_num_threads(threads)
+        # one thread, as a GPU's host issues a step: ATen's pool on this model's CPU ops moved the stock step's time
+        # by up to 1.3x between runs on a 2-core VM (0.78-1.04x for the same 'speed' code), steady on one thread
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with _cpu_proxy(stub_convs): f, s = timed()
+        finally: torch.set_num_threads(threads)
     finally: set_layer_way(before)
     return dict(fused=f / 1e3, stock=s / 1e3)
 
@@ -322,7 +331,7 @@ def model_table(archs=('resnet50',), mode:str='speed', device:str='cpu', pairs:i
         rows.append(f"| {arch} | {mode} | {t['fused']:.2f} | {t['stock']:.2f} | {t['fused'] / t['stock']:.2f}x |{also}")
     return '\n'.join(rows)
 
-# %% ../nbs/28_host_cost.ipynb #e0d424ea
+# %% ../nbs/28_host_cost.ipynb #2528c9a8
 def main(argv=None):
     """`python -m clfast.host_cost [--device cuda] [--mode memory] [--pairs N] [--stub-convs] [--model ARCH ...]`: print
     the table of launches and host time per layer step, or with `--model` per whole model's step"""
@@ -339,8 +348,7 @@ def main(argv=None):
                         "then defaults to 60)")
     args = p.parse_args(argv)
     if args.model:
-        import torchvision
-        bad = [a for a in args.model if a not in torchvision.models.list_models(module=torchvision.models)]
+        bad = _not_torchvision(args.model)
         if bad: p.error(f"--model: not torchvision classification models: {', '.join(bad)} (e.g. resnet50, efficientnet_b0)")
         print(model_table(args.model, args.mode, args.device, args.pairs or 60, args.stub_convs))
     else: print(host_cost_table(mode=args.mode, device=args.device, pairs=args.pairs or 200, stub_convs=args.stub_convs))

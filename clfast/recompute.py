@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['remember', 'remembers', 'observing', 'observed', 'recomputing', 'recomputed_outputs']
+__all__ = ['remember', 'remembers', 'observing', 'observed', 'recomputing', 'recomputed_outputs', 'hooks_aside']
 
-# %% ../nbs/23a_recompute.ipynb #ec1c9d23
+# %% ../nbs/23a_recompute.ipynb #4287a49d
 # a fused layer's output's id -> its `_Recipe`, for as long as the output lives (the recipe's weak reference to it
 # drops the entry). A plain dict: every tensor saved inside `recomputed_outputs()` is looked up, and torch's
 # WeakIdKeyDictionary made a weak reference in Python for each lookup
@@ -25,7 +25,7 @@ _top_hooks = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', Non
 class _Recipe:
     """How to recompute a fused layer's output in backward: the forward's apply pass again, over the conv's output `y`
     and the `params` (scale and shift rows) the forward normalized with, bit for bit (`clfast::layer_out`)"""
-    __slots__ = ('out', 'y', 'params', 'act', 'act_param', 'direct', 'out_version', 'counts')
+    __slots__ = ('out', 'y', 'params', 'act', 'act_param', 'direct', 'out_version', 'counts', 'packs', 'kept', 'left')
     def __init__(self, out:Tensor, y:Tensor, params:Tensor, act:int, act_param:float, direct:bool, counts:list):
         # (the callback holds the key and the dict, not the recipe: a recipe it held would be a cycle, freed only by
         # the collector; nor the module's globals, which may be gone when the last outputs go at exit)
@@ -34,12 +34,22 @@ class _Recipe:
         self.out = weakref.ref(out, forget)
         self.y, self.params, self.act, self.act_param, self.direct = y, params, act, act_param, direct
         self.out_version, self.counts = out._version, counts
+        # saved by more than one node (`packs`: a conv-recomputing layer's conv and its BN, on CUDA; a product and the
+        # conv after it): recomputed at the first unpack and `kept` for the `left` others, not once for each
+        self.packs, self.kept, self.left = 0, None, 0
 
     def __call__(self) -> Tensor:
+        out = self.kept
+        if out is not None:
+            self.left -= 1
+            if not self.left: self.kept = None
+            return out
         if self.direct:   # the Triton kernels, called as functions where the forward called them so (`clfast.ops._direct`)
             from clfast.triton_kernels import layer_out
-            return layer_out(self.y, self.params, self.act, self.act_param)
-        return torch.ops.clfast.layer_out(self.y, self.params, self.act, self.act_param)
+            out = layer_out(self.y, self.params, self.act, self.act_param)
+        else: out = torch.ops.clfast.layer_out(self.y, self.params, self.act, self.act_param)
+        if self.packs > 1: self.kept, self.left = out, self.packs - 1
+        return out
 
 def remember(layer, out:Tensor, y:Tensor, params:Tensor, act:int, act_param:float, direct:bool=False):
     """Let `out`, the output `act(batch_norm(y))` of the fused layer `layer` (its conv module; no residual) whose forward
@@ -63,7 +73,7 @@ def remembers(layer, grad:bool=True) -> bool:
     counts = None if states is None else states.get(grad)
     return counts is None or (counts[1] > 0 and not counts[2])
 
-# %% ../nbs/23a_recompute.ipynb #302212ee
+# %% ../nbs/23a_recompute.ipynb #ed762d87
 def _saved(t:Tensor) -> tuple:
     "A tensor saved as it is: detached, and the version it had when saved (a tuple: `_unpack` tells it from a callable)"
     return t.detach(), t._version
@@ -89,6 +99,7 @@ def _recipe(t:Tensor) -> _Recipe|None:
         return None
     if r.out_version != t._version: return None
     r.counts[1] += 1
+    r.packs += 1
     return r
 
 def observing(pack:Callable) -> Callable:
@@ -147,3 +158,30 @@ class recomputed_outputs:
     def __exit__(self, *exc):
         hooks, self._hooks = self._hooks, None
         if hooks is not None: hooks.__exit__(*exc)
+
+# %% ../nbs/23a_recompute.ipynb #14c6f55e
+_push_hooks = getattr(torch._C._autograd, '_push_saved_tensors_default_hooks', None)
+_pop_hooks = getattr(torch._C._autograd, '_pop_saved_tensors_default_hooks', None)
+
+def _not_remembered(t:Tensor|None) -> bool:
+    "Whether `t` (or None) is neither a remembered output nor a view of one: saving it needs no recipe"
+    return t is None or (id(t) not in _recipes and (t._base is None or id(t._base) not in _recipes))
+
+class _HooksAside:
+    "`recomputed_outputs()`' hooks (`top`) taken off the stack inside the block, put back after it"
+    __slots__ = ('top',)
+    def __init__(self, top:tuple): self.top = top
+    def __enter__(self): _pop_hooks()
+    def __exit__(self, *exc): _push_hooks(*self.top)
+
+_NO_BLOCK = contextlib.nullcontext()
+
+def hooks_aside(*ts:Tensor|None):
+    """A block that saves none but `ts` and tensors it makes: where `recomputed_outputs()`' hooks are the innermost
+    pair and none of `ts` is a remembered output or a view of one, its saves skip them (autograd's own, or the
+    observing pair's under them); else a no-op"""
+    if _top_hooks is None or _pop_hooks is None or torch.compiler.is_compiling(): return _NO_BLOCK   # (traced: the hooks' own rule)
+    top = _top_hooks(False)
+    if (top is None or not getattr(top[0], '_clfast_recipes', False) or not all(map(_not_remembered, ts))
+            or not torch._C._autograd._saved_tensors_hooks_is_enabled()): return _NO_BLOCK
+    return _HooksAside(top)

@@ -6,7 +6,7 @@ with both variables set (they must be set before the kernels are defined)."""
 import os
 assert os.environ.get('TRITON_INTERPRET') == '1' and os.environ.get('CLFAST_KERNELS') == 'triton', \
     "run with TRITON_INTERPRET=1 CLFAST_KERNELS=triton (see test_ops.py)"
-import copy, pytest, torch
+import contextlib, copy, pytest, torch
 from pathlib import Path
 from torch import nn
 from clfast import ops, triton_kernels
@@ -46,19 +46,21 @@ def test_layer(act, mode):
         x = torch.randn(2, 5, 6, 6).to(memory_format=torch.channels_last)
         compare(f, conv, bn, x, torch.randn(2, 6, 6, 6) if res else None, act)
 
-def _train_step_matches(make, x, **tol):
-    """A training step of the fused model equals the stock one: outputs, every gradient, running stats. In fp64: a
-    random-init network in training mode amplifies rounding (late BNs normalise a handful of values), so fp32 against
-    fp32 would compare two roundings; fp64 compares the computations."""
+def _train_step_matches(make, x, mode='speed', **tol):
+    """A training step of the fused model (in `mode`; 'memory' as a fit runs it, inside `recomputed_outputs()`) equals
+    the stock one: outputs, every gradient, running stats. In fp64: a random-init network in training mode amplifies
+    rounding (late BNs normalise a handful of values), so fp32 against fp32 would compare two roundings; fp64 compares
+    the computations."""
+    from clfast.recompute import recomputed_outputs
     torch.manual_seed(0)
     stock = make().double()
-    fused = fuse_conv_bn(copy.deepcopy(stock))
+    fused = fuse_conv_bn(copy.deepcopy(stock), mode)
     assert fusion_report(fused).fused, "nothing fused"
     for m in (stock, fused): m.train()
     outs, grads = [], []
     for m in (stock, fused):
         m.zero_grad()
-        out = m(x)
+        with recomputed_outputs() if m is fused and mode == 'memory' else contextlib.nullcontext(): out = m(x)
         out.square().mean().backward()
         outs.append(out.detach()); grads.append({n: p.grad for n, p in m.named_parameters()})
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-9, atol=1e-9)
@@ -86,6 +88,29 @@ def test_efficientnet_step():
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64).to(memory_format=torch.channels_last)
     _train_step_matches(lambda: timm.create_model('tinynet_e', num_classes=4).to(memory_format=torch.channels_last),
                         x, rtol=1e-5)
+
+@pytest.mark.usefixtures('recipe_way')   # the recipes' path itself ('timed' may pick the old way at this size)
+def test_memory_resnet_step_recomputes_each_recipe_once():
+    """resnet18 in 'memory' as a fit runs it against stock in fp64. A basic block's second layer has a residual: it
+    recomputes its conv, and on CUDA's eager path its conv node and its BN node both save its input, the first layer's
+    output, as the one recipe: recomputed once in backward (`layer_out`), not once for each"""
+    import torchvision
+    from clfast import recompute
+    packed, calls = {}, []
+    real_recipe, real_out = recompute._recipe, triton_kernels.layer_out
+    def recipe(t):
+        r = real_recipe(t)
+        if r is not None: packed[id(r)] = r
+        return r
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64).to(memory_format=torch.channels_last)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recompute, '_recipe', recipe)
+        mp.setattr(triton_kernels, 'layer_out', lambda *a: calls.append(1) or real_out(*a))
+        _train_step_matches(lambda: torchvision.models.resnet18(num_classes=4).to(memory_format=torch.channels_last), x,
+                            'memory', rtol=1e-5)
+    # the stem's output (saved by the max pool) and each block's first layer's, twice each
+    assert sum(r.packs == 2 for r in packed.values()) == 8 and len(packed) == 9
+    assert len(calls) == len(packed) and all(r.kept is None for r in packed.values())
 
 @pytest.mark.usefixtures('recipe_way')   # the recipes' path itself ('timed' may pick the old way at this size)
 def test_memory_recipes_step():
@@ -138,8 +163,7 @@ def test_direct_step_is_the_ops(momentum, stats, nbt):
         with gpu_report.recording() as launches:
             got = _layer_step(op, torch.float32, training, res, act, keep_y, conv, momentum, stats, nbt)
         return got, [l.name for l in launches]
-    # 'speed' and the conv-less layer (autograd's conv node, `_BnActStep`) and 'memory' recomputing its conv
-    # (`_LayerStep`), in training and eval, an activation whose derivative is read from the output or recomputed, or none
+    # 'speed', 'memory' recomputing its conv and the conv-less layer (autograd's conv node, `_BnActStep`), in training and eval, an activation whose derivative is read from the output or recomputed, or none
     # (a 'memory' layer remembering its output: `test_direct_remembering_step_is_the_ops`)
     for case in [(True, True, 'relu', True, True), (False, True, 'silu', True, True), (True, False, 'none', True, True),
                  (True, True, 'relu', False, True), (False, False, 'silu', False, True), (True, True, 'silu', True, False)]:

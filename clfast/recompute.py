@@ -10,9 +10,9 @@ import torch
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['remember', 'remembers', 'observing', 'observed', 'recomputing', 'recomputed_outputs', 'hooks_aside']
+__all__ = ['remember', 'remembers', 'observing', 'observed', 'saves_kept', 'recomputing', 'recomputed_outputs', 'hooks_aside']
 
-# %% ../nbs/23a_recompute.ipynb #4287a49d
+# %% ../nbs/23a_recompute.ipynb #bd079acc
 # a fused layer's output's id -> its `_Recipe`, for as long as the output lives (the recipe's weak reference to it
 # drops the entry). A plain dict: every tensor saved inside `recomputed_outputs()` is looked up, and torch's
 # WeakIdKeyDictionary made a weak reference in Python for each lookup
@@ -21,6 +21,7 @@ _recipes: dict[int, '_Recipe'] = {}
 # recipes saved, views of them saved]}
 _layers = weakref.WeakKeyDictionary()
 _top_hooks = getattr(torch._C._autograd, '_top_saved_tensors_default_hooks', None)   # torch >= 2.5
+_engine = torch.autograd.Variable._execution_engine   # (its `queue_callback`: a function run at a backward's end)
 
 class _Recipe:
     """How to recompute a fused layer's output in backward: the forward's apply pass again, over the conv's output `y`
@@ -35,7 +36,7 @@ class _Recipe:
         self.y, self.params, self.act, self.act_param, self.direct = y, params, act, act_param, direct
         self.out_version, self.counts = out._version, counts
         # saved by more than one node (`packs`: a conv-recomputing layer's conv and its BN, on CUDA; a product and the
-        # conv after it): recomputed at the first unpack and `kept` for the `left` others, not once for each
+        # conv after it): recomputed at a backward's first unpack and `kept` for the `left` others, to its end at most
         self.packs, self.kept, self.left = 0, None, 0
 
     def __call__(self) -> Tensor:
@@ -48,8 +49,14 @@ class _Recipe:
             from clfast.triton_kernels import layer_out
             out = layer_out(self.y, self.params, self.act, self.act_param)
         else: out = torch.ops.clfast.layer_out(self.y, self.params, self.act, self.act_param)
-        if self.packs > 1: self.kept, self.left = out, self.packs - 1
+        if self.packs > 1:
+            # dropped when this backward ends, also one that reached only some of the nodes (`inputs=`, `autograd.grad`)
+            try: _engine.queue_callback(self._drop)
+            except RuntimeError: return out   # unpacked outside a backward (a node's `_saved_*` read): none to share with
+            self.kept, self.left = out, self.packs - 1
         return out
+
+    def _drop(self): self.kept = None
 
 def remember(layer, out:Tensor, y:Tensor, params:Tensor, act:int, act_param:float, direct:bool=False):
     """Let `out`, the output `act(batch_norm(y))` of the fused layer `layer` (its conv module; no residual) whose forward
@@ -73,7 +80,7 @@ def remembers(layer, grad:bool=True) -> bool:
     counts = None if states is None else states.get(grad)
     return counts is None or (counts[1] > 0 and not counts[2])
 
-# %% ../nbs/23a_recompute.ipynb #ed762d87
+# %% ../nbs/23a_recompute.ipynb #5204c5b7
 def _saved(t:Tensor) -> tuple:
     "A tensor saved as it is: detached, and the version it had when saved (a tuple: `_unpack` tells it from a callable)"
     return t.detach(), t._version
@@ -133,6 +140,14 @@ def _hooks(outer) -> tuple:
         pack = lambda t: _recipe(t) or _Outer(o_pack(t), o_unpack)
     pack._clfast_recipes = pack._clfast_observes = True   # (an inner block's recipes compose with these: they are bit for bit)
     return pack, _unpack
+
+def saves_kept() -> bool:
+    """Whether a tensor saved now is kept as it is (no saved-tensor hooks, or a pair that keeps each tensor so:
+    `recomputed_outputs()`' or one `observing`), so that a second save of it costs nothing: under `save_on_cpu` or any
+    pair that copies, each save is a copy. Not known before torch 2.5: no"""
+    if _top_hooks is None: return False
+    top = _top_hooks(False)
+    return top is None or getattr(top[0], '_clfast_observes', False)
 
 def recomputing() -> bool:
     """Whether saves now go through `recomputed_outputs`' hooks (they are the innermost pair, and nothing traces): a

@@ -112,6 +112,68 @@ def test_memory_resnet_step_recomputes_each_recipe_once():
     assert sum(r.packs == 2 for r in packed.values()) == 8 and len(packed) == 9
     assert len(calls) == len(packed) and all(r.kept is None for r in packed.values())
 
+def _memory_pair():
+    "A remembering 'memory' layer (no residual) and a conv-recomputing one after it (a residual), channels-last"
+    from clfast.fused import FusedConvBN2d
+    torch.manual_seed(0)
+    a = FusedConvBN2d(4, 6, 3, padding=1, act='relu', mode='memory').to(memory_format=torch.channels_last)
+    b = FusedConvBN2d(6, 6, 3, padding=1, act='relu', mode='memory').to(memory_format=torch.channels_last)
+    x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+    r = torch.randn(2, 6, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+    return a, b, x, r
+
+def test_memory_step_saves_each_tensor_once_under_copying_hooks():
+    """Under a saved-tensor hooks pair that copies what it saves (`save_on_cpu`, FSDP's offload), a 'memory' layer that
+    recomputes its conv saves x and its weight once: autograd's conv node and clfast's node each saving them, as where
+    saves are kept as they are, would copy them twice (twice the pinned memory and the copies on CUDA)"""
+    a, b, x, r = _memory_pair()
+    saved = []
+    def pack(t):
+        if t.numel(): saved.append(t.untyped_storage().data_ptr())   # (not the empty placeholders: no storage)
+        return t.clone()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = b(a(x), r)
+    out.square().sum().backward()
+    assert len(saved) == len(set(saved)), saved
+    assert x.grad is not None and b.weight.grad is not None
+
+@pytest.mark.usefixtures('recipe_way')
+def test_a_convless_layer_takes_its_inputs_recipe():
+    """A conv-less fused layer (the precise BN) on a remembering layer's output saves it as the recipe, step after step
+    (set aside from the hooks as a conv's output would be, it was saved whole and the layer stopped remembering)"""
+    from clfast.bn import PreciseBatchNorm2d
+    from clfast.recompute import recomputed_outputs, remembers
+    from clfast import recompute
+    a, _, x, _ = _memory_pair()
+    bn = PreciseBatchNorm2d(6)
+    for _ in range(2):
+        packed = []
+        real = recompute._recipe
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(recompute, '_recipe', lambda t: (lambda r: packed.append(r) or r)(real(t)))
+            with recomputed_outputs(): out = bn(a(x))
+        out.square().sum().backward()
+        assert sum(p is not None for p in packed) == 1 and remembers(a)
+
+@pytest.mark.usefixtures('recipe_way')
+def test_a_kept_recipe_goes_with_its_backward():
+    """A recipe saved by two nodes is recomputed once and kept for the second: not past the backward that recomputed
+    it, also one that reached only some nodes (`inputs=`), nor where a node's saved tensor is read outside a backward"""
+    from clfast.recompute import recomputed_outputs
+    from clfast import recompute
+    a, b, x, r = _memory_pair()
+    packed = {}
+    real = recompute._recipe
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recompute, '_recipe', lambda t: (lambda r: r is not None and packed.setdefault(id(r), r) or r)(real(t)))
+        with recomputed_outputs(): out = b(a(x), r)
+    (recipe,) = packed.values()
+    assert recipe.packs == 2
+    out.square().sum().backward(inputs=[b.bn.weight], retain_graph=True)   # b's BN node alone: one unpack of two
+    assert recipe.kept is None
+    out.square().sum().backward()
+    assert recipe.kept is None and x.grad is not None
+
 @pytest.mark.usefixtures('recipe_way')   # the recipes' path itself ('timed' may pick the old way at this size)
 def test_memory_recipes_step():
     """'memory' inside `recomputed_outputs()` (`clfast.recompute`): each recipe recomputes its layer's output by the

@@ -261,7 +261,7 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #977982f2
+# %% ../nbs/21_ops.ipynb #5f1e148e
 def _act_saves(act:int, act_param:float, residual:Tensor|None, out:Tensor) -> tuple:
     """What a layer's backward keeps for act' past its residual add, `(residual, out)`, None where not needed: the
     output where act' is read from it, else the residual to recompute `z` (without a residual, `z` comes from `y`)"""
@@ -280,12 +280,13 @@ class _LayerStep(torch.autograd.Function):
     ops, the same saved tensors; outputs, gradients and running statistics bit for bit). It runs where the C++ library
     is not loaded (a GPU machine without a C++ toolchain; on CPU kernels it cost 66 us more host time per layer step
     than the C++ node, 8 channels, Zen 5: 252 against 186 us), and where the Triton kernels serve the layer untraced
-    (`direct`, CUDA) for a synchronized layer and one on other layouts than channels-last: it calls them as functions, with no dispatcher between (`_direct`), and hands the
-    statistics pass the running statistics to update (`running`: with a momentum), one launch fewer than the ops'
-    separate `update_running`. The running statistics are updated in forward, before autograd saves the node's
+    (`direct`, CUDA) for a synchronized layer, one on other layouts than channels-last and, under saved-tensor hooks
+    that copy, one that recomputes its conv: it calls them as functions, with no dispatcher between (`_direct`), and
+    hands the statistics pass the running statistics to update (`running`: with a momentum), one launch fewer than the
+    ops' separate `update_running`. The running statistics are updated in forward, before autograd saves the node's
     tensors, as the C++ node does (a gradient checkpoint's recomputation updates them again, as it does BatchNorm's).
-    Where the Triton kernels are called directly, a layer whose node need not hold its conv runs `_BnActStep` instead
-    (`_conv_bn_act`)"""
+    Where the Triton kernels are called directly, any other layer runs its conv as autograd's node and the rest in
+    `_BnActStep` (`_conv_bn_act`)"""
     @staticmethod
     def forward(ctx, x, weight, bias, bn_weight, bn_bias, residual, mean, var, geom:ConvGeometry, eps, act, act_param,
                 keep_y, training, group, direct:bool=False, running:tuple|None=None):
@@ -404,8 +405,8 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
                  keep_y:bool, group:str='', direct:bool=False, remember=None) -> Tensor:
     """`torch.ops.clfast.conv_bn_act` in Python (same arguments), as `csrc/layer_op.cpp`'s `conv_bn_act`; `direct`: the
     Triton kernels called as functions (`_direct`), with autograd's own conv node on channels-last tensors (`_BnActStep`:
-    'speed', 'memory' remembering or recomputing its conv, and the conv-less layer); `remember`: the layer's key (its conv module) where its output is saved for backward as a recipe
-    over `y` (`clfast.recompute`: a layer with a conv, no residual and `keep_y`, not synchronized)"""
+    'speed', 'memory' remembering or recomputing its conv, and the conv-less layer); `remember`: the layer's key (its
+    conv module) where its output is saved for backward as a recipe over `y` (`clfast.recompute`: a layer with a conv, no residual and `keep_y`, not synchronized)"""
     batch_stats = training or running_mean is None or running_var is None
     mean = var = None
     if not batch_stats:   # copies: a later in-place update of the running statistics must not change what backward saved

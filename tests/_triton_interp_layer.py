@@ -169,6 +169,7 @@ def test_a_kept_recipe_goes_with_its_backward():
         with recomputed_outputs(): out = b(a(x), r)
     (recipe,) = packed.values()
     assert recipe.packs == 2
+    assert out.grad_fn.saved_tensors[0].shape == (2, 6, 6, 6) and recipe.kept is None   # read outside a backward
     out.square().sum().backward(inputs=[b.bn.weight], retain_graph=True)   # b's BN node alone: one unpack of two
     assert recipe.kept is None
     out.square().sum().backward()
@@ -225,7 +226,8 @@ def test_direct_step_is_the_ops(momentum, stats, nbt):
         with gpu_report.recording() as launches:
             got = _layer_step(op, torch.float32, training, res, act, keep_y, conv, momentum, stats, nbt)
         return got, [l.name for l in launches]
-    # 'speed', 'memory' recomputing its conv and the conv-less layer (autograd's conv node, `_BnActStep`), in training and eval, an activation whose derivative is read from the output or recomputed, or none
+    # 'speed', 'memory' recomputing its conv and the conv-less layer (autograd's conv node, `_BnActStep`), in training
+    # and eval, an activation whose derivative is read from the output or recomputed, or none
     # (a 'memory' layer remembering its output: `test_direct_remembering_step_is_the_ops`)
     for case in [(True, True, 'relu', True, True), (False, True, 'silu', True, True), (True, False, 'none', True, True),
                  (True, True, 'relu', False, True), (False, False, 'silu', False, True), (True, True, 'silu', True, False)]:

@@ -261,7 +261,7 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #5f1e148e
+# %% ../nbs/21_ops.ipynb #861c37a0
 def _act_saves(act:int, act_param:float, residual:Tensor|None, out:Tensor) -> tuple:
     """What a layer's backward keeps for act' past its residual add, `(residual, out)`, None where not needed: the
     output where act' is read from it, else the residual to recompute `z` (without a residual, `z` comes from `y`)"""
@@ -427,8 +427,8 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
         conv = (None if keep_y or weight is None
                 else (x, weight, bias, ConvGeometry(tuple(stride), tuple(padding), tuple(dilation), groups)))
         # clfast's node past the recipes' hooks where nothing it saves can be a recipe (a conv's output `y` never is; x
-        # may be, here for the conv's node alone)
-        with hooks_aside(*((y,) if conv is None else conv[:3]), residual):
+        # may be, here for the conv's node alone); with `conv` it saves what `_run_layer` asked `hooks_aside` about
+        with hooks_aside(y, residual) if conv is None else contextlib.nullcontext():
             out, params = _BnActStep.apply(y, bn_weight, bn_bias, residual, mean, var, eps, act, act_param, batch_stats,
                                            running, conv)
     else:

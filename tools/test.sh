@@ -21,34 +21,32 @@ pip_install() { local venv=$1; shift; "$venv/bin/python" -m pip install -q "$@" 
 [ -x .venv/bin/python ] || $PY -m venv .venv
 pip_install .venv torch==2.14.1 torchvision==0.29.1
 pip_install .venv -e ".[dev]"
-# What runs beside the suite, on what the cores leave idle (pytest keeps about 1.6 of the 2 busy; pip's installs and
-# the kernel build's longest file, one): each in a process group of its own (to stop it whole) but in this session,
-# whose scheduler group it shares, at Linux's idle policy (SCHED_IDLE), which yields a core at once to any other task
-# of the group; nice 19 where that policy cannot be set. (Niced in sessions of their own, the ISA matrix and the smoke
-# run beside the suite slowed pytest from 19 min 14 s to 23 min 59 s, the whole command 29 min 23 s -> 28 min 36 s:
-# a niced task keeps a core for a time slice while torch's other thread waits for it.) All are stopped when this
-# script ends, done or not
+# What runs beside the suite, on what the cores leave idle (pytest keeps about 1.2-1.5 of the 2 busy; pip's installs
+# and the kernel build's longest file, one): each in a session of its own (one process group to stop) whose scheduler
+# group is niced, for the kernel weighs each session's group alike (a plain nice in a new session took half the CPU:
+# the kernel build 126 -> 357 s). All are stopped when this script ends, done or not
 beside_dir=$(mktemp -d)
 beside_groups=()
 trap 'for g in "${beside_groups[@]}"; do kill -- -$g 2>/dev/null || true; done; rm -rf "$beside_dir"' EXIT
-idle="chrt --idle 0"; $idle true 2>/dev/null || idle="nice -n 19"
+# the smoke run and the ISA matrix (5.4-5.7 min before the suite, on a Zen 3 and a Zen 4, sessions 58-59): each writes
+# NAME.log, then its exit status NAME.rc, here; tests/test_beside.py waits for them, ordered last (tests/conftest.py)
 export CLFAST_TEST_BESIDE=$beside_dir/beside
 mkdir "$CLFAST_TEST_BESIDE"
-beside() {   # beside NAME COMMAND...: NAME.log, then its exit status NAME.rc, in CLFAST_TEST_BESIDE
-  set -m   # (job control: the job's own process group)
-  sh -c 'out=$1; shift; env -u CLFAST_TEST_BESIDE "$@" >"$out.log" 2>&1; echo $? >"$out.rc.part"; mv "$out.rc.part" "$out.rc"' \
-    sh "$CLFAST_TEST_BESIDE/$1" $idle "${@:2}" &
+beside() {   # beside NAME COMMAND...
+  setsid sh -c 'echo 19 > /proc/self/autogroup 2>/dev/null; out=$1; shift
+    env -u CLFAST_TEST_BESIDE nice -n 19 "$@" >"$out.log" 2>&1; echo $? >"$out.rc.part"; mv "$out.rc.part" "$out.rc"' \
+    sh "$CLFAST_TEST_BESIDE/$1" "${@:2}" &
   beside_groups+=($!)
-  set +m
 }
-# the smoke run (its venv's install, downloading and unpacking, 161-296 s; then its run) and the ISA matrix (once the
-# kernels are built, below): tests/test_beside.py waits for each, ordered last (tests/conftest.py)
+# the smoke venv's install (downloading and unpacking, about one core; 179-289 s), then its run
 if [ "${CLFAST_SMOKE:-1}" = 1 ]; then beside smoke bash tools/smoke_torch.sh; fi
 # the CUDA kernels' offline compile report (tests/test_gpu_report.py's: about 1100 compiles, minutes with an empty
 # Triton cache), holding a lock while it runs; its tests, ordered last, take its report once the lock is free
 export CLFAST_TEST_GPU_REPORT=$beside_dir/report.json
-beside gpu_report flock "$CLFAST_TEST_GPU_REPORT.lock" env -u TRITON_INTERPRET -u CLFAST_KERNELS \
-  .venv/bin/python -m clfast.gpu_report --json "$CLFAST_TEST_GPU_REPORT"
+setsid sh -c 'echo 19 > /proc/self/autogroup 2>/dev/null
+  exec nice -n 19 flock "$1.lock" env -u TRITON_INTERPRET -u CLFAST_KERNELS .venv/bin/python -m clfast.gpu_report --json "$1"' \
+  sh "$CLFAST_TEST_GPU_REPORT" >/dev/null 2>&1 &
+beside_groups+=($!)
 # nbdev v2 (settings.ini) needs fastcore 1.x while fastai needs fastcore 2, so the nbdev tools live in their own venv
 [ -x .venv-nbdev/bin/python ] || $PY -m venv .venv-nbdev
 pip_install .venv-nbdev -r tools/nbdev-tools.txt

@@ -1,5 +1,4 @@
 import contextlib, os, random, numpy as np, pytest, torch
-from pathlib import Path
 from hypothesis import settings, HealthCheck
 
 # Property tests must say the same thing on every run: 'ci' (the default) is derandomized, so a failure reproduces
@@ -45,32 +44,12 @@ class _TritonCompiles:
 def pytest_configure(config):
     if torch.cuda.is_available(): config.pluginmanager.register(_TritonCompiles(config), 'clfast-triton-compiles')
 
-def pytest_terminal_summary(terminalreporter):
-    """The output of what the test command ran beside the suite (tests/test_beside.py waited for it), before pytest's
-    summary line, which ends the output"""
-    d = os.environ.get('CLFAST_TEST_BESIDE')
-    if d and not terminalreporter.config.stash.get(_BESIDE_WAITED, False):   # (the test command given a part of the suite)
-        terminalreporter.write_line("the ISA matrix and the smoke run beside the suite were not waited for: "
-                                    "tests/test_beside.py was not among the tests run")
-        return
-    for name in ('isa_matrix', 'smoke'):
-        log = None if d is None else Path(d, f'{name}.log')
-        if log is None or not log.exists(): continue
-        terminalreporter.write_sep('-', f"{name}, beside the suite")
-        for line in log.read_text().splitlines(): terminalreporter.write_line(line)
-
-# what the test command (tools/test.sh) runs beside the suite, on what the cores leave idle: the tests that wait for
-# each, ordered last so that it is done by then
-_BESIDE_WAITED = pytest.StashKey[bool]()   # whether test_beside.py's tests are among those run
-_BESIDE = {'test_gpu_report.py': 'CLFAST_TEST_GPU_REPORT', 'test_beside.py': 'CLFAST_TEST_BESIDE'}
-
 def pytest_collection_modifyitems(config, items):
-    """Where the test command runs something beside the suite (the offline compile report, the ISA matrix, the smoke
-    run: `_BESIDE`), the tests that wait for it last. Skip `cuda`-marked tests on machines without a CUDA GPU"""
-    last = [f for f, env in _BESIDE.items() if os.environ.get(env)]
-    if last:   # a stable sort: the rest keep their order
-        items.sort(key=lambda item: last.index(item.path.name) + 1 if item.path.name in last else 0)
-    config.stash[_BESIDE_WAITED] = any(item.path.name == 'test_beside.py' for item in items)
+    """Where the test command (tools/test.sh) compiles the offline compile report in the background, on what the cores
+    leave idle (`CLFAST_TEST_GPU_REPORT`), that report's tests last, so that it is done by then. Skip `cuda`-marked
+    tests on machines without a CUDA GPU"""
+    if os.environ.get('CLFAST_TEST_GPU_REPORT'):   # a stable sort: the rest keep their order
+        items.sort(key=lambda item: item.path.name == 'test_gpu_report.py')
     if torch.cuda.is_available(): return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

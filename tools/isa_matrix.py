@@ -2,7 +2,7 @@
 the CPU kinds beneath it (an AVX-512 machine: the AVX2 and the generic code too). Each level is a fresh pytest run
 with clfast's, ATen's and oneDNN's caps set (CLFAST_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA); the
 levels come from this CPU's flags (clfast.machine), and the ones it cannot run are named. This CPU's own level is the
-whole suite's run (tools/test.sh runs this beside it). Exits 1 if any level fails, after running them all.
+whole suite's run (tools/test.sh runs it after this). Exits 1 if any level fails, after running them all.
 
     python tools/isa_matrix.py            # every kind below this CPU's
     python tools/isa_matrix.py --list     # which would run, and which cannot here

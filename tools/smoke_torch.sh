@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The smoke run at the lowest torch settings.ini admits, in a venv of its own (.venv-torch<version>): clfast installed
 # as the README installs it into an existing environment, its kernels built for that torch (`clfast build`), one fused
-# training step against fp64 (tools/smoke_step.py) and the demo on 200 digits. tools/test.sh runs it beside the suite
+# training step against fp64 (tools/smoke_step.py) and the demo on 200 digits. tools/test.sh runs it before the suite
 # (CLFAST_SMOKE=0 skips it); the whole suite runs at the pinned torch.
-# `smoke_torch.sh install` only installs, `smoke_torch.sh run` only runs; no argument: both (as tools/test.sh runs it).
+# `smoke_torch.sh install` only installs, `smoke_torch.sh run` only runs (tools/test.sh installs beside the kernel
+# build: mostly downloading and unpacking, on one core); no argument: both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

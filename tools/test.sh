@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # clfast's test command: installs what the tests need into .venv, checks that notebooks, library and README are in
 # sync (nbdev_export / nbdev_clean / tools/readme.py change nothing), builds the C++ kernels for every level this CPU
-# runs, then runs the whole pytest suite at this CPU's own level. Beside the suite, at the lowest priority: the smoke
-# run at the lowest torch settings.ini admits (tools/smoke_torch.sh; CLFAST_SMOKE=0 skips it) and the numerics tests
-# at each instruction-set level below this CPU's (tools/isa_matrix.py; CLFAST_ISA_MATRIX=0 skips it), whose outcomes
-# tests/test_beside.py waits for and reports, last, so that pytest's summary line ends the output and counts them.
+# runs, runs the smoke run at the lowest torch settings.ini admits (tools/smoke_torch.sh; CLFAST_SMOKE=0 skips it) and
+# the numerics tests at each instruction-set level below this CPU's (tools/isa_matrix.py; CLFAST_ISA_MATRIX=0 skips
+# it), then the whole pytest suite at this CPU's own level.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -21,32 +20,27 @@ pip_install() { local venv=$1; shift; "$venv/bin/python" -m pip install -q "$@" 
 [ -x .venv/bin/python ] || $PY -m venv .venv
 pip_install .venv torch==2.14.1 torchvision==0.29.1
 pip_install .venv -e ".[dev]"
-# What runs beside the suite, on what the cores leave idle (pytest keeps about 1.2-1.5 of the 2 busy; pip's installs
-# and the kernel build's longest file, one): each in a session of its own (one process group to stop) whose scheduler
-# group is niced, for the kernel weighs each session's group alike (a plain nice in a new session took half the CPU:
-# the kernel build 126 -> 357 s). All are stopped when this script ends, done or not
-beside_dir=$(mktemp -d)
-beside_groups=()
-trap 'for g in "${beside_groups[@]}"; do kill -- -$g 2>/dev/null || true; done; rm -rf "$beside_dir"' EXIT
-# the smoke run and the ISA matrix (5.4-5.7 min before the suite, on a Zen 3 and a Zen 4, sessions 58-59): each writes
-# NAME.log, then its exit status NAME.rc, here; tests/test_beside.py waits for them, ordered last (tests/conftest.py)
-export CLFAST_TEST_BESIDE=$beside_dir/beside
-mkdir "$CLFAST_TEST_BESIDE"
-beside() {   # beside NAME COMMAND...
-  setsid sh -c 'echo 19 > /proc/self/autogroup 2>/dev/null; out=$1; shift
-    env -u CLFAST_TEST_BESIDE nice -n 19 "$@" >"$out.log" 2>&1; echo $? >"$out.rc.part"; mv "$out.rc.part" "$out.rc"' \
-    sh "$CLFAST_TEST_BESIDE/$1" "${@:2}" &
-  beside_groups+=($!)
-}
-# the smoke venv's install (downloading and unpacking, about one core; 179-289 s), then its run
-if [ "${CLFAST_SMOKE:-1}" = 1 ]; then beside smoke bash tools/smoke_torch.sh; fi
+# the smoke venv's install (downloading and unpacking, about one core; 226-289 s on Zen 3) runs beside what follows up
+# to the smoke run (the nbdev tools' install, the kernel build, the ISA matrix); its output is shown then
+if [ "${CLFAST_SMOKE:-1}" = 1 ]; then
+  smoke_log=$(mktemp)
+  bash tools/smoke_torch.sh install >"$smoke_log" 2>&1 &
+  smoke_install=$!
+fi
 # the CUDA kernels' offline compile report (tests/test_gpu_report.py's: about 1100 compiles, minutes with an empty
-# Triton cache), holding a lock while it runs; its tests, ordered last, take its report once the lock is free
-export CLFAST_TEST_GPU_REPORT=$beside_dir/report.json
+# Triton cache) runs in the background at the lowest priority, on what the cores leave idle from here to its tests
+# (pip's installs, the kernel build's longest file and most tests keep one core busy, not two), holding a lock while
+# it runs; its tests, ordered last (tests/conftest.py), take its report once the lock is free
+# (CLFAST_TEST_GPU_REPORT). Stopped when this script ends. In a session of its own (one process group to stop), whose
+# scheduler group is niced too: the kernel weighs each session's group alike, so a plain nice in a new session took
+# half the CPU (the kernel build 126 -> 357 s)
+gpu_report_dir=$(mktemp -d)
+export CLFAST_TEST_GPU_REPORT=$gpu_report_dir/report.json
 setsid sh -c 'echo 19 > /proc/self/autogroup 2>/dev/null
   exec nice -n 19 flock "$1.lock" env -u TRITON_INTERPRET -u CLFAST_KERNELS .venv/bin/python -m clfast.gpu_report --json "$1"' \
   sh "$CLFAST_TEST_GPU_REPORT" >/dev/null 2>&1 &
-beside_groups+=($!)
+gpu_report=$!
+trap 'kill -- -$gpu_report 2>/dev/null || true; rm -rf "$gpu_report_dir"' EXIT   # done or not, at this script's end (or failure)
 # nbdev v2 (settings.ini) needs fastcore 1.x while fastai needs fastcore 2, so the nbdev tools live in their own venv
 [ -x .venv-nbdev/bin/python ] || $PY -m venv .venv-nbdev
 pip_install .venv-nbdev -r tools/nbdev-tools.txt
@@ -66,6 +60,14 @@ fi
 echo "nbdev sync: notebooks, clfast/ and README.md are in sync"
 # clfast's C++ kernels for every level this CPU runs: its own for the suite, the lower ones for the ISA matrix
 .venv/bin/clfast build --levels all
-if [ "${CLFAST_ISA_MATRIX:-1}" = 1 ]; then beside isa_matrix .venv/bin/python tools/isa_matrix.py; fi
+# before the suite, whose summary line must end the output: the levels below this CPU's, then the lowest admitted
+# torch (after the ISA matrix, so that its install is done by then: before it, the smoke run waited for it where
+# the kernels had been built already, as after the README's first command)
+if [ "${CLFAST_ISA_MATRIX:-1}" = 1 ]; then .venv/bin/python tools/isa_matrix.py; fi
+if [ "${CLFAST_SMOKE:-1}" = 1 ]; then
+  wait $smoke_install || { cat "$smoke_log"; echo "FAIL: the smoke venv's install"; exit 1; }
+  cat "$smoke_log"; rm -f "$smoke_log"
+  bash tools/smoke_torch.sh run
+fi
 .venv/bin/python -m pytest -q "$@" && rc=0 || rc=$?
 exit $rc

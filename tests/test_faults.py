@@ -300,8 +300,8 @@ def _rank_fit(rank:int, port:int, sync_bn:bool, timeout_s:int, out:str):
     torch.set_num_threads(1)
     set_seed(0)
     # no loader workers: forked after the group is made, they hold its sockets open past their rank's death until they
-    # notice it (5 s apart, longer under load), so rank 0's gloo saw no closed connection within the 10 s group timeout
-    # of test_rank_killed_mid_step_unreaped and timed out instead (once in a test command run beside the ISA matrix)
+    # notice it (5 s apart, longer under load), so rank 0's gloo may see no closed connection within the 10 s group
+    # timeout of test_rank_killed_mid_step_unreaped (it timed out so once, in a test command run beside the ISA matrix)
     learn = Learner(image_dls(n=128, bs=8, num_workers=0), _bn1d_net(), loss_func=CrossEntropyLossFlat(), opt_func=Adam)
     learn.to_channelslast(fuse='speed')
     seen = {}

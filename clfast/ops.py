@@ -261,7 +261,7 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #861c37a0
+# %% ../nbs/21_ops.ipynb #96b15769
 def _act_saves(act:int, act_param:float, residual:Tensor|None, out:Tensor) -> tuple:
     """What a layer's backward keeps for act' past its residual add, `(residual, out)`, None where not needed: the
     output where act' is read from it, else the residual to recompute `z` (without a residual, `z` comes from `y`)"""
@@ -406,7 +406,8 @@ def _conv_bn_act(x, weight, bias, bn_weight, bn_bias, residual, running_mean, ru
     """`torch.ops.clfast.conv_bn_act` in Python (same arguments), as `csrc/layer_op.cpp`'s `conv_bn_act`; `direct`: the
     Triton kernels called as functions (`_direct`), with autograd's own conv node on channels-last tensors (`_BnActStep`:
     'speed', 'memory' remembering or recomputing its conv, and the conv-less layer); `remember`: the layer's key (its
-    conv module) where its output is saved for backward as a recipe over `y` (`clfast.recompute`: a layer with a conv, no residual and `keep_y`, not synchronized)"""
+    conv module) where its output is saved for backward as a recipe over `y` (`clfast.recompute`: a layer with a conv,
+    no residual and `keep_y`, not synchronized)"""
     batch_stats = training or running_mean is None or running_var is None
     mean = var = None
     if not batch_stats:   # copies: a later in-place update of the running statistics must not change what backward saved

@@ -1,6 +1,6 @@
 """Training throughput through fastai's own `Learner.fit` on a CUDA GPU: every setup issue 34 names, side by side in
 one run, ending with one table (img/s, ratio to stock channels-last and to stock fastai `to_channelslast()`, peak
-memory, time of the first steps: compile, capture, clfast's per-layer timing).
+memory, time of the first steps: compile, capture, clfast's per-layer timing) and issue 34's done-when read off it.
 
     python benchmarks/bench_gpu_fit.py                       # resnet50 + efficientnet_b0, batch 256 and 64, bf16 and fp16
     python benchmarks/bench_gpu_fit.py --budget 300 --models resnet50 --bs 256 --dtypes bfloat16
@@ -259,6 +259,55 @@ def table(groups, results, rounds:int, skipped=(), stopped:bool=False) -> str:
                        f"{got['peak_gib']:.2f} | {got['first_s']:.1f} | {got['note']} |")
     return '\n'.join(out)
 
+STOCK = {'contiguous', 'stock-cl', 'stock-cl-bench', 'fastai', 'compile-cl'}
+NO_COMPILE = [s for s in SETUPS if s not in STOCK | COMPILED]   # clfast's setups that need no torch.compile
+
+def done_when(groups, results) -> str:
+    """Issue 34's done-when, read off the table's rows (each line says what it compared, and whether the goal is met;
+    a goal whose rows did not run says so): for the first model, clfast's best setup without compile against
+    `torch.compile` at the largest batch and against fastai's `to_channelslast()` at the smallest (1.3x); every other
+    model's best setup not below stock channels-last; 'memory' (eager, and with graphs) within 1.2x stock's step at 40%
+    less peak memory; clfast's default not below fastai's `to_channelslast()` in any group. Ratios are the table's
+    (medians of per-round ratios, each group against its own rounds): the rounds' spread is not judged here"""
+    rows = {}   # (model, batch, dtype) -> {setup: result}, a later group's beside the first's
+    for i, (m, bs, dt, _) in enumerate(groups):
+        for s, got in (results.get(i) or {}).items():
+            if 'error' not in got: rows.setdefault((m, bs, dt), {}).setdefault(s, got)
+    if not groups: return ''
+    models = list(dict.fromkeys(g[0] for g in groups))
+    sizes = [g[1] for g in groups]
+    big, small = max(sizes), min(sizes)
+    out = ["Issue 34's done-when, from this table:"]
+    def best(key, base='stock-cl'):
+        "(ratio, setup): clfast's setup without compile of the highest ratio to `base` in the groups of `key`"
+        got = rows.get(key, {})
+        cands = [(got[s]['ratio'][base], s) for s in NO_COMPILE if s in got and got[s]['ratio'][base] is not None]
+        return max(cands) if cands else (None, None)
+    verdict = lambda ok: 'met' if ok else 'NOT met'
+    for m, bs, dt in sorted({g[:3] for g in groups}, key=lambda k: (models.index(k[0]), -k[1], k[2])):
+        where, got = f"{':'.join(model_source(m))} batch {bs} {dt}", rows.get((m, bs, dt), {})
+        r, s = best((m, bs, dt))
+        if m == models[0] and bs == big:
+            c = got.get('compile-cl', {}).get('ratio', {}).get('stock-cl')
+            out.append(f"- {where}: best without compile ({s}) {r / c:.2f}x torch.compile's: {verdict(r >= c)}" if r and c
+                       else f"- {where}: best without compile against torch.compile: not measured")
+        if m == models[0] and bs == small < big:
+            f, sf = best((m, bs, dt), 'fastai')
+            out.append(f"- {where}: best without compile ({sf}) {f:.2f}x fastai's to_channelslast(), goal 1.3x: {verdict(f >= 1.3)}"
+                       if f else f"- {where}: best without compile against fastai's to_channelslast(): not measured")
+        if m != models[0]:
+            out.append(f"- {where}: best ({s}) {r:.2f}x stock channels-last, goal never below: {verdict(r >= 1)}" if r
+                       else f"- {where}: best against stock channels-last: not measured")
+        stock_peak = got.get('stock-cl', {}).get('peak_gib')
+        for mem in ('memory', 'memory+graphs'):
+            if mem not in got or got[mem]['ratio']['stock-cl'] is None or not stock_peak: continue
+            q, less = got[mem]['ratio']['stock-cl'], 1 - got[mem]['peak_gib'] / stock_peak
+            out.append(f"- {where}: {SETUPS[mem][1]} {q:.2f}x stock's speed (a {1 / q:.2f}x step) at {less:.0%} less peak "
+                       f"memory, goal within 1.2x at 40% less: {verdict(1 / q <= 1.2 and less >= 0.4)}")
+        d = got.get('clfast', {}).get('ratio', {}).get('fastai')
+        if d is not None: out.append(f"- {where}: clfast's default {d:.2f}x fastai's to_channelslast(): {verdict(d >= 1)}")
+    return '\n'.join(out)
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--models', nargs='+', default=['resnet50', 'efficientnet_b0'],
@@ -287,6 +336,7 @@ def main(argv=None):
         print(f"\n## fastai Learner.fit, {args.px} px, {args.steps} timed steps after {args.warm}, median of {args.rounds} "
               f"rounds (fewer where a row says so; {time.perf_counter() - start:.0f} s in all)\n")
         print(table(groups, results, args.rounds, skipped, stopped), flush=True)
+        print('\n' + done_when(groups, results), flush=True)
         if compiles is not None: print(f"\n{compiles} (this process: clfast's kernels, not inductor's workers)", flush=True)
     def interrupt(*_): raise KeyboardInterrupt
     signal.signal(signal.SIGTERM, interrupt)   # stopped by `timeout` (SIGINT or SIGTERM): the table of what ran, still

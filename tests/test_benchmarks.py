@@ -9,7 +9,7 @@ def test_bench_gpu_fit_dry_run(capsys):
     bench['main'](['--device', 'cpu', '--models', 'resnet18', '--bs', '2', '--px', '32', '--steps', '1', '--warm', '5', '--rounds', '2',
                    '--dtypes', 'bfloat16', '--setups', 'stock-cl', 'fastai', 'speed', 'graphs', 'speed-compiled'])
     out = capsys.readouterr().out
-    table, after = out[out.index('| model |'):].strip().split('\n\n')
+    table, goals, after = out[out.index('| model |'):].strip().split('\n\n')
     table = table.splitlines()[2:]
     # the five setups, and stock channels-last again beside the eager 'speed' ways (a later group: `plan`)
     assert len(table) == 6 and not any('failed' in r or 'not run' in r for r in table)
@@ -20,6 +20,8 @@ def test_bench_gpu_fit_dry_run(capsys):
     assert rows['stock channels-last, fastai AMP'][5] == '1.00' and float(rows["clfast fuse='speed'"][4]) > 0
     assert 'CUDA graphs need a model on a CUDA GPU' in rows['clfast graphs=True'][9]
     assert all(r.startswith('| tv:resnet18 | 2 | bfloat16 |') for r in table)   # the library named (timm's has a resnet18 too)
+    # issue 34's done-when read off the table: one batch size and no torch.compile row, so its one goal unmeasured
+    assert goals.splitlines()[1:] == ["- tv:resnet18 batch 2 bfloat16: best without compile against torch.compile: not measured"], goals
 
 def test_bench_gpu_fit_table_says_what_was_not_measured():
     """A row says how many of the rounds asked it measured, and a group never started says why: the budget, or the
@@ -30,6 +32,35 @@ def test_bench_gpu_fit_table_says_what_was_not_measured():
     rows = {r.split(' | ')[0][2:]: r for r in bench['table'](groups, {0: one}, 3, skipped={1}, stopped=True).splitlines()[2:]}
     assert rows['tv:resnet18'].startswith('| tv:resnet18 | 2 | bfloat16 | stock channels-last, fastai AMP | 10 (1 of 3 rounds) | 1.00 |'), rows
     assert 'not run (budget)' in rows['timm:resnet18'] and 'not run (stopped)' in rows['tv:resnet34'], rows
+
+def test_done_when_judges_each_goal_from_the_table():
+    """The done-when lines compare what issue 34 names, each from its own group's rows: the best setup without compile
+    against torch.compile at the largest batch and 1.3x fastai's at the smallest, another model's best against stock,
+    'memory' within a 1.2x step at 40% less peak, the default against fastai's; a row that failed is left out"""
+    bench = runpy.run_path(str(Path(__file__).parents[1] / 'benchmarks' / 'bench_gpu_fit.py'))
+    row = lambda cl, fa=None, peak=10.: dict(img_s=100 * cl, ratio={'stock-cl': cl, 'fastai': fa}, rounds=3, first_s=1., peak_gib=peak, note='')
+    groups = [('resnet50', 256, 'float16', ['stock-cl', 'fastai', 'clfast', 'speed+graphs', 'memory', 'compile-cl']),
+              ('resnet50', 64, 'float16', ['stock-cl', 'fastai', 'clfast', 'speed+graphs', 'memory+graphs']),
+              ('efficientnet_b0', 256, 'float16', ['stock-cl', 'fastai', 'clfast', 'speed+graphs']),
+              ('resnet50', 256, 'float16', ['stock-cl', 'speed'])]   # a later group: 'speed' beside its own stock rounds
+    results = {
+        0: {'stock-cl': row(1., .97), 'fastai': row(1.03, 1.), 'clfast': row(.99, .98), 'speed+graphs': row(1.03, 1.1),
+            'memory': row(.82, .85, peak=5.9), 'compile-cl': row(1.05, 1.08)},
+        1: {'stock-cl': row(1., 1.), 'fastai': row(1., 1.), 'clfast': row(1.01, 1.01), 'speed+graphs': row(1.5, 1.45),
+            'memory+graphs': row(.9, .9, peak=6.5)},
+        2: {'stock-cl': row(1.), 'fastai': row(1.), 'clfast': row(1., 1.), 'speed+graphs': dict(error='RuntimeError: x')},
+        3: {'stock-cl': row(1.), 'speed': row(1.06)}}
+    lines = bench['done_when'](groups, results).splitlines()
+    assert lines == [
+        "Issue 34's done-when, from this table:",
+        "- tv:resnet50 batch 256 float16: best without compile (speed) 1.01x torch.compile's: met",
+        "- tv:resnet50 batch 256 float16: clfast fuse='memory' 0.82x stock's speed (a 1.22x step) at 41% less peak memory, goal within 1.2x at 40% less: NOT met",
+        "- tv:resnet50 batch 256 float16: clfast's default 0.98x fastai's to_channelslast(): NOT met",
+        "- tv:resnet50 batch 64 float16: best without compile (speed+graphs) 1.45x fastai's to_channelslast(), goal 1.3x: met",
+        "- tv:resnet50 batch 64 float16: clfast fuse='memory', graphs=True 0.90x stock's speed (a 1.11x step) at 35% less peak memory, goal within 1.2x at 40% less: NOT met",
+        "- tv:resnet50 batch 64 float16: clfast's default 1.01x fastai's to_channelslast(): met",
+        "- tv:efficientnet_b0 batch 256 float16: best (clfast) 1.00x stock channels-last, goal never below: met",
+        "- tv:efficientnet_b0 batch 256 float16: clfast's default 1.00x fastai's to_channelslast(): met"], lines
 
 def test_sweep_kernel_tiles_dry_run():
     """The GPU script's tiling sweep runs end to end on the CPU under Triton's interpreter (a process of its own: the

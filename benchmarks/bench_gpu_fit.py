@@ -298,9 +298,11 @@ def done_when(groups, results) -> str:
         if m != models[0]:
             out.append(f"- {where}: best ({s}) {r:.2f}x stock channels-last, goal never below: {verdict(r >= 1)}" if r
                        else f"- {where}: best against stock channels-last: not measured")
-        stock_peak = got.get('stock-cl', {}).get('peak_gib')
+        stock_peak = got.get('stock-cl', {}).get('peak_gib', float('nan'))
         for mem in ('memory', 'memory+graphs'):
-            if mem not in got or got[mem]['ratio']['stock-cl'] is None or not stock_peak: continue
+            if mem not in got or got[mem]['ratio']['stock-cl'] is None: continue
+            if not (stock_peak > 0 and got[mem]['peak_gib'] >= 0):   # (NaN off CUDA: no peak measured)
+                out.append(f"- {where}: peak memory of {SETUPS[mem][1]} against stock's: not measured"); continue
             q, less = got[mem]['ratio']['stock-cl'], 1 - got[mem]['peak_gib'] / stock_peak
             out.append(f"- {where}: {SETUPS[mem][1]} {q:.2f}x stock's speed (a {1 / q:.2f}x step) at {less:.0%} less peak "
                        f"memory, goal within 1.2x at 40% less: {verdict(1 / q <= 1.2 and less >= 0.4)}")

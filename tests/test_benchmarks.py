@@ -61,6 +61,10 @@ def test_done_when_judges_each_goal_from_the_table():
         "- tv:resnet50 batch 64 float16: clfast's default 1.01x fastai's to_channelslast(): met",
         "- tv:efficientnet_b0 batch 256 float16: best (clfast) 1.00x stock channels-last, goal never below: met",
         "- tv:efficientnet_b0 batch 256 float16: clfast's default 1.00x fastai's to_channelslast(): met"], lines
+    # no peak measured (NaN: off CUDA) is no verdict on memory
+    nan = float('nan')
+    lines = bench['done_when']([groups[0]], {0: {'stock-cl': row(1., peak=nan), 'memory': row(.9, peak=nan)}}).splitlines()
+    assert lines[2:] == ["- tv:resnet50 batch 256 float16: peak memory of clfast fuse='memory' against stock's: not measured"], lines
 
 def test_sweep_kernel_tiles_dry_run():
     """The GPU script's tiling sweep runs end to end on the CPU under Triton's interpreter (a process of its own: the

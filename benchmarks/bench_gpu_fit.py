@@ -269,11 +269,11 @@ def done_when(groups, results) -> str:
     model's best setup not below stock channels-last; 'memory' (eager, and with graphs) within 1.2x stock's step at 40%
     less peak memory; clfast's default not below fastai's `to_channelslast()` in any group. Ratios are the table's
     (medians of per-round ratios, each group against its own rounds): the rounds' spread is not judged here"""
+    if not groups: return ''
     rows = {}   # (model, batch, dtype) -> {setup: result}, a later group's beside the first's
     for i, (m, bs, dt, _) in enumerate(groups):
         for s, got in (results.get(i) or {}).items():
             if 'error' not in got: rows.setdefault((m, bs, dt), {}).setdefault(s, got)
-    if not groups: return ''
     models = list(dict.fromkeys(g[0] for g in groups))
     sizes = [g[1] for g in groups]
     big, small = max(sizes), min(sizes)

@@ -9,11 +9,11 @@
 # kernels and CUDA graphs against fp64, the offline compile report against the GPU's own JIT; each failure's
 # traceback kept), training through fastai's own `Learner.fit` for at most FIT_S seconds (benchmarks/bench_gpu_fit.py:
 # every setup issue 34 names, in rounds, the table last and issue 34's done-when read off it; by default fp16 at batch
-# 256, where the row the last GPU run left short is: 'memory', 0.82x stock eagerly), then with what is left where a fused layer step's host time goes
-# (benchmarks/probe_host_time.py: synchronizations, CUDA runtime calls, Python's own time per function), a fused layer
-# step's host time against stock's (`python -m clfast.host_cost --device cuda`, Triton's launches included; then a whole
-# resnet50 'memory' step's, `--model resnet50 --mode memory`), the kernels' tilings
-# against the default (benchmarks/sweep_kernel_tiles.py: each pass's fraction of a copy's bandwidth, issue 34 item 5)
+# 256, where the row the last GPU run left short is: 'memory', 0.82x stock eagerly), then with what is left where a
+# fused layer step's host time goes (benchmarks/probe_host_time.py: synchronizations, CUDA runtime calls, Python's own
+# time per function), a fused layer step's host time against stock's (`python -m clfast.host_cost --device cuda`,
+# Triton's launches included; then a whole resnet50 'memory' step's, `--model resnet50 --mode memory`), the kernels'
+# tilings against the default (benchmarks/sweep_kernel_tiles.py: each pass's fraction of a copy's bandwidth, issue 34 item 5)
 # and the kernel benchmarks against stock cuDNN.
 #
 #   bash benchmarks/gpu_first_run.sh [OUT [STEP ...]]   # STEPs: build warm tests fit probe host tiles kernels

@@ -28,20 +28,20 @@ __all__ = ['MODELS', 'DTYPES', 'BATCH', 'SIZE', 'LAYER_ACTS', 'GPUS', 'LATENCY',
            'fused_passes', 'traffic_table', 'model_traffic', 'prediction_table', 'FusedLayer', 'fused_layers',
            'further_fusion', 'further_table', 'sections', 'read_sections', 'write_sections', 'main']
 
-# %% ../nbs/27_gpu_report.ipynb #4d491b2a
+# %% ../nbs/27_gpu_report.ipynb #79a7c598
 @dataclass
 class Launch:
     "One launch of a `clfast.triton_kernels` kernel: the kernel, its grid, its arguments and keyword arguments"
     kernel: object           # the @triton.jit function (an InterpretedFunction under TRITON_INTERPRET=1)
     grid: tuple
     args: tuple
-    meta: dict               # constexprs and launch options (num_warps)
+    meta: dict               # constexprs and launch options (num_warps, enable_fp_fusion)
     phase: str = ''          # 'forward' or 'backward', where the caller says
 
     @property
     def name(self) -> str: return self.kernel.fn.__name__
     @property
-    def flags(self) -> dict: return {k: v for k, v in self.meta.items() if k != 'num_warps'}
+    def flags(self) -> dict: return {k: v for k, v in self.meta.items() if k not in ('num_warps', 'enable_fp_fusion')}
 
 @contextlib.contextmanager
 def recording(run:bool=True, phase:str=''):

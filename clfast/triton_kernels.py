@@ -13,8 +13,8 @@ from .reference import acc_dtype
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['LAUNCH_WAYS', 'launch_way', 'Tiles', 'tiling', 'launching', 'stats', 'fwd', 'bwd', 'layer_fwd', 'bn_act_fwd',
-           'layer_out', 'batch_stats', 'update_running', 'needs_y', 'bn_act_bwd', 'layer_bwd']
+__all__ = ['LAUNCH_WAYS', 'launch_way', 'FP_FUSION', 'Tiles', 'tiling', 'launching', 'stats', 'fwd', 'bwd', 'layer_fwd',
+           'bn_act_fwd', 'layer_out', 'batch_stats', 'update_running', 'needs_y', 'bn_act_bwd', 'layer_bwd']
 
 # %% ../nbs/20_triton_kernels.ipynb #9f53cb16
 @triton.jit
@@ -339,7 +339,7 @@ def _bwd_dx(g_ptr, x_ptr, prm_ptr, bd_ptr, res_ptr, out_ptr, k_ptr, dy_ptr, dres
         tl.store(dy_ptr + offs, dy.to(dy_ptr.dtype.element_ty), mask=mask)
     if WANT_DRES: tl.store(dres_ptr + offs, g.to(dres_ptr.dtype.element_ty), mask=mask)
 
-# %% ../nbs/20_triton_kernels.ipynb #38913e57
+# %% ../nbs/20_triton_kernels.ipynb #5a35156f
 class Tiles(NamedTuple):
     """How the kernels cut the `[M, C]` rows, whatever the shape (`_plan` works out each shape's cut from it). The
     defaults are the compile report's (`clfast/KERNELS.md`: no spill, enough bytes in flight on sm_80/90/100);
@@ -474,10 +474,15 @@ def _callable(kernel, ck, n_args:int, meta:dict) -> tuple|None:
 
 _COMPILED: dict[tuple, tuple|None] = {}   # launch key -> `_callable`'s (CompiledKernel, launcher, constexprs), or None: Triton's way
 
+# Contracting a multiply and an add into one FMA, as every GPU figure and numerics check so far ran them: said at each
+# launch, not left to Triton's default, which Triton 3.9 warns will turn it off in 3.10 (`TRITON_DEFAULT_FP_FUSION`)
+FP_FUSION = True
+
 def _launch(kernel, grid:tuple, *args, **meta):
-    """`kernel[grid](*args, **meta)` (`args` the kernel's runtime arguments, `meta` its constexprs and launch options),
-    Triton's way or through the compiled kernel (`launch_way`); with `_launch_hook` set, the hook gets the launch
-    instead (to count or record it)"""
+    """`kernel[grid](*args, **meta)` (`args` the kernel's runtime arguments, `meta` its constexprs and launch options,
+    to which `enable_fp_fusion` is added), Triton's way or through the compiled kernel (`launch_way`); with
+    `_launch_hook` set, the hook gets the launch instead (to count or record it)"""
+    meta['enable_fp_fusion'] = FP_FUSION
     if _launch_hook is not None: _launch_hook(kernel, grid, args, meta)
     elif launch_way == 'jit': kernel[grid](*args, **meta)
     else: _launch_compiled(kernel, grid, args, meta)

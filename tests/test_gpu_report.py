@@ -62,6 +62,17 @@ def test_every_specialization_compiles(report):
                 assert any(s[0] == dt and (f"ACT={a.code}" in s or a.code == 0 and not any(w.startswith('ACT=') for w in s))
                            and ('HAS_RES' in s) == res for s in fwd), (dt, a.name, res)
 
+@pytest.mark.parametrize('traced', [False, True], ids=['eager', 'kernel-ops'])
+def test_every_launch_says_its_fma_contraction(traced):
+    """Each launch asks for FMA contraction (`tk.FP_FUSION`, as every GPU figure ran) rather than take Triton's
+    default, which Triton 3.9 warns turns off in 3.10: with that default off, every specialization still has it"""
+    from triton import knobs
+    launches = gr.layer_step(torch.bfloat16, 'silu', residual=True, traced=traced)
+    assert launches
+    with knobs.language.scope():
+        knobs.language.default_fp_fusion = False
+        assert [gr.specialize(l, 90).options.enable_fp_fusion for l in launches] == [tk.FP_FUSION] * len(launches)
+
 def test_no_spills(report):
     "`ptxas` keeps every specialization in registers: no stack frame, no local memory"
     spilled = [f"{r['kernel']} sm_{r['cc']} {r['spec']}: stack {r['stack']} local {r['local']}"

@@ -46,7 +46,7 @@ def _fused_nothing(model:nn.Module, mode:str) -> str|None:
         why = f" (first skipped: {report.skipped[0][0]}: {report.skipped[0][1]})" if report.skipped else " (it has no conv followed by a BatchNorm2d)"
         return f"fuse={mode!r} fused nothing in this model{why}; `fusion_report(learn.model)` lists every reason."
 
-# %% ../nbs/02_callback.ipynb #366b18b2
+# %% ../nbs/02_callback.ipynb #ec0a14af
 _OWN_EVENTS = ('before_fit', 'before_train', 'before_validate', 'before_batch', 'after_pred', 'after_batch', 'after_fit')
 
 @fastai_signature(fastai_cl.ChannelsLast)
@@ -150,10 +150,12 @@ class ChannelsLast(_StateDefaults, Callback):
     def interrupted(self, e:BaseException):
         "A step's exception (clfast's `one_batch`): leave `recomputed_outputs()`; where a model `.view`ed the channels-last batch, say why and what to do"
         self._leave_recompute()
-        if isinstance(e, RuntimeError) and 'view size is not compatible' in str(e) and hasattr(e, 'add_note'):
-            e.add_note("clfast: ChannelsLast hands the model its image batches channels-last, as its convs take them "
-                       "(fastai's converts only the model); a model that `.view`s its input needs `.reshape` there, "
-                       "or train it with `learn.to_contiguous()`.")
+        if isinstance(e, RuntimeError) and 'view size is not compatible' in str(e):
+            note = ("clfast: ChannelsLast hands the model its image batches channels-last, as its convs take them "
+                    "(fastai's converts only the model); a model that `.view`s its input needs `.reshape` there, "
+                    "or train it with `learn.to_contiguous()`.")
+            if hasattr(e, 'add_note'): e.add_note(note)
+            else: e.args = (f"{e}\n{note}",)   # Python 3.10 has no notes: the message itself carries it
 
     def _check_single_amp(self):
         "Two `MixedPrecision` callbacks would scale the loss twice and nest autocast"

@@ -28,7 +28,7 @@ __all__ = ['MODELS', 'DTYPES', 'BATCH', 'SIZE', 'LAYER_ACTS', 'GPUS', 'LATENCY',
            'fused_passes', 'traffic_table', 'model_traffic', 'prediction_table', 'FusedLayer', 'fused_layers',
            'further_fusion', 'further_table', 'sections', 'read_sections', 'write_sections', 'main']
 
-# %% ../nbs/27_gpu_report.ipynb #79a7c598
+# %% ../nbs/27_gpu_report.ipynb #8d5313c8
 @dataclass
 class Launch:
     "One launch of a `clfast.triton_kernels` kernel: the kernel, its grid, its arguments and keyword arguments"
@@ -41,7 +41,9 @@ class Launch:
     @property
     def name(self) -> str: return self.kernel.fn.__name__
     @property
-    def flags(self) -> dict: return {k: v for k, v in self.meta.items() if k not in ('num_warps', 'enable_fp_fusion')}
+    def flags(self) -> dict:
+        "The constexprs: `meta` less the launch options, which are not the kernel's parameters"
+        return {k: v for k, v in self.meta.items() if k in self.kernel.arg_names}
 
 @contextlib.contextmanager
 def recording(run:bool=True, phase:str=''):

@@ -26,7 +26,7 @@ import clfast.callback
 __all__ = ['N_DIGITS', 'VALID_PCT', 'digits_dls', 'simple_cnn', 'demo_learner', 'Throughput', 'EpochLine', 'auto_amp',
            'demo_device', 'check_arch', 'run_demo', 'format_results', 'main']
 
-# %% ../nbs/03_demo.ipynb #1c6ffae7
+# %% ../nbs/03_demo.ipynb #474ec3b6
 N_DIGITS, VALID_PCT = 1797, 0.2   # scikit-learn's bundled digits; the demo's validation share
 
 def digits_dls(bs:int=64, size:int=32, valid_pct:float=VALID_PCT, seed:int=42, device=None, n_items:int|None=None) -> DataLoaders:
@@ -45,8 +45,9 @@ def digits_dls(bs:int=64, size:int=32, valid_pct:float=VALID_PCT, seed:int=42, d
     items = list(zip(TensorImage(x), digits.target.tolist()))
     tfms = [[ItemGetter(0)], [ItemGetter(1), Categorize(vocab=list(range(10)))]]
     # num_workers=0: the images are in memory, and worker processes would only take cores from the training
-    return Datasets(items, tfms, splits=splits, n_inp=1).dataloaders(bs=bs, device=device or default_device(), num_workers=0,
-                                                  after_batch=Normalize.from_stats([x.mean().item()] * 3, [x.std().item()] * 3))
+    dsets = Datasets(items, tfms, splits=splits, n_inp=1)
+    return dsets.dataloaders(bs=bs, device=device or default_device(), num_workers=0,
+                             after_batch=Normalize.from_stats([x.mean().item()] * 3, [x.std().item()] * 3))
 
 # %% ../nbs/03_demo.ipynb #82f4c754
 def simple_cnn(n_out:int=10, widths=(32, 64, 128, 256)) -> nn.Sequential:

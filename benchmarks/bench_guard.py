@@ -10,8 +10,13 @@
    routed, and a plan-less GuardedConv2d's cost per call; then torchvision resnet18 training steps at 64 px, batch 32
    (layer4's 3x3 convs see 2x2 inputs), Adam: contiguous, channels-last stock, and channels-last after `guard_model`;
    speedups are medians of the per-round paired ratios.
+5. Transposed convs (`clfast.routes.GuardedConvTranspose2d`): a 1x1 stride-2 upsampling onto few channels (the class
+   whose stock channels-last weight gradient overruns a buffer) as the guarded route against the stock conv on nchw
+   tensors (stock channels-last runs in a child process, as in 1); then a DCGAN generator's training step (fastai's
+   `basic_generator`, 64 px, batch 32, channels-last, after `guard_model`) with its transposed convs guarded against
+   stock, paired per round.
 
-    python benchmarks/bench_guard.py [--rounds 7] [--bs 16] [--size 224] [--sections stem resnet50 check short]
+    python benchmarks/bench_guard.py [--rounds 7] [--bs 16] [--size 224] [--sections stem resnet50 check short transposed]
 """
 import argparse, os, statistics, subprocess, sys, tempfile, textwrap, time
 import torch, torch.nn.functional as F
@@ -156,12 +161,67 @@ def bench_short(rounds, bs=32, size=64):
           f"guarded {paired('contiguous', 'channels-last guarded')}")
     print(f"  guarded over stock channels-last: {paired('channels-last stock', 'channels-last guarded')}")
 
+TRANSPOSED_CHILD = '''
+import sys, time, torch, torch.nn.functional as F
+n, cin, cout, size, rounds = map(int, sys.argv[1:6])
+torch.manual_seed(0)
+x0 = torch.randn(n, cin, size, size).to(memory_format=torch.channels_last)
+w = (torch.randn(cin, cout, 1, 1) / cin ** .5).to(memory_format=torch.channels_last).requires_grad_()
+for i in range(rounds + 2):
+    x = x0.detach().requires_grad_()
+    t = time.perf_counter(); y = F.conv_transpose2d(x, w, None, 2, 0, 1); y.backward(torch.ones_like(y)); w.grad = None
+    print('STEP', time.perf_counter() - t, flush=True)   # each step as it ends: the kernel may crash the process
+'''
+
+def bench_transposed(rounds):
+    import copy
+    from fastai.vision.gan import basic_generator
+    from clfast.guard import guard_model
+    from clfast.routes import GuardedConvTranspose2d
+    cl = torch.channels_last
+    print(f"\ntransposed convs, fp32, {torch.get_num_threads()} threads, {rounds} rounds:")
+    for n, cin, cout, size in ((16, 64, 3, 32), (16, 64, 8, 32), (8, 256, 12, 14)):
+        torch.manual_seed(0)
+        conv = nn.ConvTranspose2d(cin, cout, 1, stride=2, output_padding=1)
+        nets = {'stock nchw': nn.Sequential(conv), 'guarded channels-last': copy.deepcopy(nn.Sequential(conv)).to(memory_format=cl)}
+        guard_model(nets['guarded channels-last'])
+        assert type(nets['guarded channels-last'][0]) is GuardedConvTranspose2d
+        x = torch.randn(n, cin, size, size)
+        xs = {'stock nchw': x, 'guarded channels-last': x.to(memory_format=cl)}
+        def step(k):
+            y = nets[k](xs[k].detach().requires_grad_()); y.backward(torch.ones_like(y)); nets[k].zero_grad()
+        t = interleaved_times({k: (lambda k=k: step(k)) for k in nets}, max(rounds, 15))
+        med = {k: statistics.median(v) for k, v in t.items()}
+        line = f"  1x1 stride 2, {n}x{cin}x{size}x{size} -> {cout} channels, fwd+bwd: " + ", ".join(f"{k} {v*1e3:.2f} ms" for k, v in med.items())
+        r = subprocess.run([sys.executable, '-c', TRANSPOSED_CHILD, *map(str, (n, cin, cout, size, max(rounds, 15)))],
+                           capture_output=True, text=True, timeout=300)
+        done = [float(l.split()[1]) for l in r.stdout.splitlines() if l.startswith('STEP')][2:]
+        fate = 'ran all steps' if r.returncode == 0 else f"died with exit {r.returncode} after {len(done) + 2} steps"
+        stock_cl = f"{statistics.median(done)*1e3:.2f} ms ({fate})" if done else fate
+        print(f"{line}; stock channels-last (child process) {stock_cl}; stock nchw / guarded: {med['stock nchw'] / med['guarded channels-last']:.2f}x")
+    from clfast.stock import replace_modules
+    torch.manual_seed(0)
+    guarded = basic_generator(64, 3, n_extra_layers=1).to(memory_format=cl)
+    guard_model(guarded)   # (its BNs too, where this machine's measured imprecise: the same in both models)
+    gen = copy.deepcopy(guarded)   # the transposed convs alone stock
+    replace_modules(gen, {m: m._stock_module() for m in gen.modules() if type(m) is GuardedConvTranspose2d})
+    kinds = sorted({type(m).__name__ for m in guarded.modules() if isinstance(m, nn.ConvTranspose2d)})
+    z = torch.randn(32, 100)
+    opts = {id(m): torch.optim.Adam(m.parameters(), 1e-4) for m in (gen, guarded)}
+    def gstep(m):
+        opts[id(m)].zero_grad(); m(z).float().square().mean().backward(); opts[id(m)].step()
+    t = interleaved_times({'stock': lambda: gstep(gen), 'guarded': lambda: gstep(guarded)}, max(rounds, 10))
+    ratios = sorted(g / s for g, s in zip(t['guarded'], t['stock']))
+    print(f"  DCGAN generator (basic_generator 64 px, batch 32, {kinds}) training step: transposed convs stock "
+          f"{statistics.median(t['stock'])*1e3:.1f} ms, guarded {statistics.median(t['guarded'])*1e3:.1f} ms; "
+          f"guarded / stock {ratios[len(ratios)//2]:.3f} [{ratios[len(ratios)//4]:.3f}-{ratios[(3*len(ratios))//4]:.3f}]")
+
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--rounds', type=int, default=7); p.add_argument('--bs', type=int, default=16)
     p.add_argument('--size', type=int, default=224); p.add_argument('--skip-resnet', action='store_true')
-    p.add_argument('--sections', nargs='+', default=['stem', 'resnet50', 'check', 'short'],
-                   choices=['stem', 'resnet50', 'check', 'short'])
+    p.add_argument('--sections', nargs='+', default=['stem', 'resnet50', 'check', 'short', 'transposed'],
+                   choices=['stem', 'resnet50', 'check', 'short', 'transposed'])
     a = p.parse_args()
     sections = [s for s in a.sections if not (a.skip_resnet and s in ('resnet50', 'check'))]
     from clfast.machine import onednn_isa
@@ -171,3 +231,4 @@ if __name__ == '__main__':
     if 'resnet50' in sections: bench_resnet50(8, a.size, max(3, a.rounds // 2))
     if 'check' in sections: bench_check(a.size)
     if 'short' in sections: bench_short_convs(max(a.rounds, 20)); bench_short(max(a.rounds, 10))
+    if 'transposed' in sections: bench_transposed(a.rounds)

@@ -469,7 +469,7 @@ class GuardedInstanceNorm2d(AsStock, nn.InstanceNorm2d):
             out.register_hook(Tensor.contiguous)
         return out
 
-# %% ../nbs/04c_routes.ipynb #3b99c880
+# %% ../nbs/04c_routes.ipynb #d3a4d336
 # (x's shape, weight's shape, stride, padding, groups, output padding, dilation): transposed calls of the sweep's wrong set
 TRANSPOSED_WEIGHT_GRAD_CASES = (((3, 4, 1, 2), (4, 1, 1, 3), (1, 2), (0, 2), 4, (0, 0), (1, 1)),
                                 ((1, 38, 5, 1), (38, 4, 3, 3), (2, 3), (1, 1), 2, (1, 1), (1, 1)),
@@ -495,9 +495,11 @@ def one_by_one_wgrad_class(conv:nn.Module, isa:str|None=None) -> bool:
     issue 6035 on this CPU (oneDNN's `isa`): a transposed conv's weight gradient is a conv's with the channels
     swapped, so a 1x1 transposed conv at stride 2 or more onto fewer output channels than the ISA's channel block
     (`KNOWN_BAD_KERNELS`), with zero padding and one group (the class swept)"""
+    # the geometry first: `transposed_plan` asks at every call, and reading the ISA costs more than comparing sizes
+    if not (isinstance(conv, nn.ConvTranspose2d) and tuple(conv.kernel_size) == (1, 1) and max(conv.stride) > 1
+            and tuple(conv.padding) == (0, 0) and conv.groups == 1): return False
     block = KNOWN_BAD_KERNELS[0].channel_block.get(onednn_isa() if isa is None else isa)
-    return (isinstance(conv, nn.ConvTranspose2d) and block is not None and tuple(conv.kernel_size) == (1, 1)
-            and max(conv.stride) > 1 and tuple(conv.padding) == (0, 0) and conv.groups == 1 and conv.out_channels < block)
+    return block is not None and conv.out_channels < block
 
 ONE_BY_ONE_TRANSPOSED_WGRAD = ("aten.convolution_backward's weight gradient (CPU, channels-last) of a 1x1 transposed conv "
                                "at stride 2 or more onto fewer output channels than oneDNN's channel block, its output "

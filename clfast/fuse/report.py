@@ -13,7 +13,7 @@ from ..stock import need_module
 # %% auto #0
 __all__ = ['FusionReport', 'fusion_report']
 
-# %% ../../nbs/24a_fuse_report.ipynb #c2eb51a9
+# %% ../../nbs/24a_fuse_report.ipynb #da088319
 @dataclass
 class FusionReport:
     "What `fuse_conv_bn` fused (qualified conv name, pattern), what it skipped (name, reason), and a reason for every BN left unfused"
@@ -35,10 +35,11 @@ class FusionReport:
                  + (f", {len(self.hooked)} hooked" if self.hooked else '')
                  + f"; {self.n_bn - len(self.unfused)}/{self.n_bn} BN fused"
                  + (f"; {len(self.pointwise)} 1x1 convs as matrix products on 1x1 maps" if self.pointwise else '')]
-        lines += [f"  fused   {n}: {p}" for n,p in self.fused] + [f"  skipped {n}: {r}" for n,r in self.skipped]
-        lines += [f"  guarded {n}: {w} ({why})" for n,w,why in self.guarded]
-        lines += [f"  opened  {n}: {why}" for n,why in self.opened]
-        lines += [f"  hooked  {n}: runs as its stock modules while a module of it has hooks" for n in self.hooked]
+        q = lambda n: n or '(the model)'   # the root module's name is ''
+        lines += [f"  fused   {q(n)}: {p}" for n,p in self.fused] + [f"  skipped {q(n)}: {r}" for n,r in self.skipped]
+        lines += [f"  guarded {q(n)}: {w} ({why})" for n,w,why in self.guarded]
+        lines += [f"  opened  {q(n)}: {why}" for n,why in self.opened]
+        lines += [f"  hooked  {q(n)}: runs as its stock modules while a module of it has hooks" for n in self.hooked]
         return '\n'.join(lines)
 
 _reports = weakref.WeakKeyDictionary()

@@ -469,7 +469,7 @@ class GuardedInstanceNorm2d(AsStock, nn.InstanceNorm2d):
             out.register_hook(Tensor.contiguous)
         return out
 
-# %% ../nbs/04c_routes.ipynb #d3a4d336
+# %% ../nbs/04c_routes.ipynb #46af68a7
 # (x's shape, weight's shape, stride, padding, groups, output padding, dilation): transposed calls of the sweep's wrong set
 TRANSPOSED_WEIGHT_GRAD_CASES = (((3, 4, 1, 2), (4, 1, 1, 3), (1, 2), (0, 2), 4, (0, 0), (1, 1)),
                                 ((1, 38, 5, 1), (38, 4, 3, 3), (2, 3), (1, 1), 2, (1, 1), (1, 1)),
@@ -503,8 +503,9 @@ def one_by_one_wgrad_class(conv:nn.Module, isa:str|None=None) -> bool:
 
 ONE_BY_ONE_TRANSPOSED_WGRAD = ("aten.convolution_backward's weight gradient (CPU, channels-last) of a 1x1 transposed conv "
                                "at stride 2 or more onto fewer output channels than oneDNN's channel block, its output "
-                               "exactly stride times its input: overruns a buffer (the process aborts) at AVX-512, wrong "
-                               "at AVX2 (oneDNN issue 6035's kernel); computed as a matrix product instead")
+                               "exactly stride times its input: overruns a buffer (a wrong gradient, a hang or the "
+                               "process's end, at AVX-512 and AVX2 alike: oneDNN issue 6035's kernel); computed as a "
+                               "matrix product instead")
 
 class _TransposedWeightGradAsProduct(torch.autograd.Function):
     "A 1x1 transposed conv with no padding, as stock in forward and for the input gradient; its weight gradient the product of `x` and every `stride`-th row and column of the upstream gradient, its bias gradient the upstream gradient's sum"

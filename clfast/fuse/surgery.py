@@ -23,7 +23,7 @@ from .syncbn import _cpu_sync_refusals, _install_sync_converter, _on_cpu, _refus
 # %% auto #0
 __all__ = ['is_fused', 'fuse_conv_bn', 'unfuse_conv_bn']
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #f85c9cff
+# %% ../../nbs/24d_fuse_surgery.ipynb #58ea5d81
 def _describe(n, mod) -> str:
     "What an fx node computes, in words"
     if not isinstance(n, fx.Node): return 'a constant'
@@ -169,7 +169,8 @@ class _Fuser:
             conv = mod(node)
             # a conv of another class (transposed, 1d/3d, a Conv2d subclass) before a BN goes on: `fuse` records why
             # not; a fused one (a model fused again) has nothing to say
-            if conv is None or isinstance(conv, _FusedMixin) or _conv_kind(conv) is None and not isinstance(conv, _ConvNd): continue
+            if conv is None or isinstance(conv, _FusedMixin): continue
+            if _conv_kind(conv) is None and not isinstance(conv, _ConvNd): continue
             out = node   # conv → Identity... → BN fuses too
             while len(out.users) == 1 and _is(mod(next(iter(out.users))), nn.Identity): out = next(iter(out.users))
             bns = [u for u in out.users if isinstance(mod(u), _BatchNorm)]

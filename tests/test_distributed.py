@@ -6,12 +6,14 @@ import torch.nn.functional as F
 from datetime import timedelta
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from preloaded import spawn
 
 WORLD, TIMEOUT = 2, 120
 
-def _spawn(fn, *args, world:int=WORLD):
-    "Run `fn(rank, *args)` in `world` fresh processes; an exception in any rank is raised here (the others are killed)"
-    mp.start_processes(fn, args=args, nprocs=world, join=True, start_method='spawn')
+def _spawn(fn, *args, world:int=WORLD, interpreted:bool=False):
+    """Run `fn(rank, *args)` in `world` processes (`preloaded.spawn`; `interpreted`: ranks that set TRITON_INTERPRET);
+    an exception in any rank is raised here (the others are killed)"""
+    spawn(fn, *args, nprocs=world, interpreted=interpreted)
 
 def _init(rank:int, init:str, timeout:float=TIMEOUT, world:int=WORLD):
     dist.init_process_group('gloo', init_method=f'file://{init}', rank=rank, world_size=world,
@@ -85,7 +87,8 @@ def test_synced_fused_training_equals_one_process(tmp_path, mode, order, dtype, 
     """2 ranks x B samples, fused (or not: every BN a `clfast.bn` precise SyncBatchNorm, as PyTorch's has no CPU kernel)
     and synchronized, train as one process on the same 2B samples (stock, fp64): parameters and running statistics
     after 3 SGD steps; the ranks agree exactly; unfusing gives clfast's synchronized BN, which runs on the CPU"""
-    _spawn(_sync_worker, str(tmp_path/'init'), str(tmp_path), mode, order, dtype, sizes, kernels, exchange)
+    _spawn(_sync_worker, str(tmp_path/'init'), str(tmp_path), mode, order, dtype, sizes, kernels, exchange,
+           interpreted=kernels == 'triton')
     ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(WORLD)]
     from clfast.exchange import STORES_IN_ORDER
     if STORES_IN_ORDER:   # both ranks on this host: shared memory unless turned off
@@ -221,7 +224,7 @@ def test_synchronized_bn_with_an_empty_rank(tmp_path, kind, kernels):
     on its 8 rows alone (float64, by hand), the empty rank's have no rows, both ranks end with the same parameter
     gradients (the 8 rows') and running statistics (updated from the 8 rows)"""
     runs = [(8, 0), (0, 8), (0, 0)]
-    _spawn(_empty_rank_worker, str(tmp_path/'init'), str(tmp_path), kind, kernels, runs)
+    _spawn(_empty_rank_worker, str(tmp_path/'init'), str(tmp_path), kind, kernels, runs, interpreted=kernels == 'triton')
     ranks = [torch.load(tmp_path/f'rank{r}.pt') for r in range(WORLD)]
     out, dx, grads, stats = _empty_rank_reference(kind, 8)
     synced = 'PreciseSyncBatchNorm' if kind == 'precise' else 'PassThroughSyncBatchNorm'

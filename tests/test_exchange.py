@@ -6,11 +6,12 @@ import errno, glob, os, random, shutil, subprocess, sys, tempfile, time, pytest,
 from datetime import timedelta
 from pathlib import Path
 from clfast.exchange import CAPACITY, STORES_IN_ORDER, HostExchange
+from preloaded import spawn
 
 pytestmark = pytest.mark.skipif(not STORES_IN_ORDER,
                                 reason="the shared-memory exchange is used on x86-64 only")
 
-def _spawn(fn, n, *args): mp.start_processes(fn, args=(n, *args), nprocs=n, join=True, start_method='spawn')
+def _spawn(fn, n, *args): spawn(fn, n, *args, nprocs=n)
 
 @pytest.fixture(autouse=True)
 def _error_files_kept_here(tmp_path, monkeypatch):

@@ -1,15 +1,18 @@
 "The `clfast` command: options parsed before torch loads, defaults shown, any torchvision/timm arch trains with progress."
 import json, os, subprocess, sys, pytest
+import preloaded
 from clfast.cli import main
 
-def _run(*args, commands:tuple=()):
+def _run(*args, commands:tuple=(), fresh:bool=True):
     """`clfast ARGS` in a fresh interpreter, or `clfast C ARGS` for each C of `commands` in turn in one (the first pays
-    the imports); also reports whether torch or fastai got imported"""
+    the imports); also reports whether torch or fastai got imported. Not `fresh`: forked from the tests' server that
+    imported torch and fastai (`preloaded.run`), for a test of what the command says, not of what it imports"""
     code = ("import sys, json; from clfast.cli import main\nfor argv in json.loads(sys.argv[1]):\n"
             "    try: main(argv)\n    except SystemExit as e: print('exit', e.code)\n"
             "print('heavy', any(m in sys.modules for m in ('torch', 'fastai')))")
     runs = [[c, *args] for c in commands] or [list(args)]
-    return subprocess.run([sys.executable, '-c', code, json.dumps(runs)], capture_output=True, text=True)
+    args = [sys.executable, '-c', code, json.dumps(runs)]
+    return subprocess.run(args, capture_output=True, text=True) if fresh else preloaded.run(args)
 
 @pytest.mark.parametrize('cmd', ['demo', 'audit-models'])
 def test_help_without_torch(cmd):
@@ -64,7 +67,7 @@ def test_demo_options_torch_must_check_fail_before_training():
             "    try: code = main(argv)\n    except SystemExit as e: code = e.code\n"
             "    print('exit', code, flush=True); print('end of run', file=sys.stderr, flush=True)")
     runs = [['demo', '--amp', 'none', '--epochs', '1', *args] for args, _ in cases]
-    r = subprocess.run([sys.executable, '-c', code, json.dumps(runs)], capture_output=True, text=True, timeout=300)
+    r = preloaded.run([sys.executable, '-c', code, json.dumps(runs)], timeout=300)
     assert r.returncode == 0 and 'Traceback' not in r.stderr and '[1/2]' not in r.stdout, r.stdout + r.stderr
     assert r.stdout.split() == ['exit', '2'] * len(cases), r.stdout + r.stderr
     for (args, msg), err in zip(cases, r.stderr.split('end of run')):   # each run's own line
@@ -86,15 +89,14 @@ def test_unknown_arch_is_an_option_error():
                 "did you mean 'resnet18'") in r.stderr, (cmd, r.stderr)
 
 def test_audit_models_names_a_misspelt_model_before_auditing():
-    r = _run('audit-models', '--source', 'timm', '--models', 'resnet18d', 'efficentnet_b0', '--out', '/nonexistent/x')
+    r = _run('audit-models', '--source', 'timm', '--models', 'resnet18d', 'efficentnet_b0', '--out', '/nonexistent/x', fresh=False)
     assert "exit clfast audit-models: Unknown arch 'efficentnet_b0': not a timm classifier; did you mean 'efficientnet_b0'" \
         in r.stdout and 'Traceback' not in r.stderr, r.stdout + r.stderr
 
 def test_check_says_which_kernel_levels_are_built(tmp_path):
     "`clfast check` ends with the C++ kernels' levels built for this torch, and where (package or cache)"
-    r = subprocess.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))',
-                        'check', '--arch', 'resnet18', '--size', '32'],
-                       capture_output=True, text=True, env={**os.environ, 'CLFAST_CACHE_DIR': str(tmp_path)})
+    r = preloaded.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))',
+                       'check', '--arch', 'resnet18', '--size', '32'], env={**os.environ, 'CLFAST_CACHE_DIR': str(tmp_path)})
     import torch
     from clfast.cpu_kernels import built_levels
     assert r.returncode == 0, r.stderr[-2000:]
@@ -103,8 +105,7 @@ def test_check_says_which_kernel_levels_are_built(tmp_path):
 
 def test_build_says_where_the_kernels_are():
     "`clfast build` names the folder its library lands in (torch's extension builder adds a folder per Python and CUDA)"
-    r = subprocess.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))', 'build'],
-                       capture_output=True, text=True)
+    r = preloaded.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))', 'build'])
     assert r.returncode == 0, r.stderr[-2000:]
     from pathlib import Path
     from clfast.cpu_kernels import ext_name
@@ -123,7 +124,7 @@ def test_check_whose_child_cannot_start_says_so(tmp_path, monkeypatch, capsys):
 def test_audit_models_out_keeps_dots_in_its_name(tmp_path):
     "`--out cov_torch2.5` writes cov_torch2.5.md and .csv (the '.5' was taken for an extension: cov_torch2.md)"
     r = _run('audit-models', '--source', 'torchvision', '--models', 'resnet18', '--size', '48', '--bs', '1',
-             '--out', str(tmp_path/'cov_torch2.5'))
+             '--out', str(tmp_path/'cov_torch2.5'), fresh=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ['cov_torch2.5.csv', 'cov_torch2.5.md'], r.stdout + r.stderr
     import pandas as pd   # audited at the size asked (it was the next of its list of sizes: 64)
     assert pd.read_csv(tmp_path/'cov_torch2.5.csv')['size'].tolist() == [48]
@@ -152,9 +153,9 @@ def test_check_takes_its_channels_and_says_what_a_model_cannot_take(tmp_path, mo
     assert "clfast check: inception_v3 cannot run on a 3x32x32 input:" in capsys.readouterr().err
 
 def _cli(*args, **env):
-    "`clfast ARGS` in a fresh interpreter, with `env` added to the environment"
-    return subprocess.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))', *args],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    "`clfast ARGS` in a process of its own (`preloaded.run`), with `env` added to the environment"
+    return preloaded.run([sys.executable, '-c', 'import sys; from clfast.cli import main; sys.exit(main(sys.argv[1:]))', *args],
+                         timeout=300, env={**os.environ, **env})
 
 @pytest.mark.parametrize('args,env,msg', [
     (['bench', '--arch', 'resnet18', '--device', 'foo'], {}, "clfast bench: error: device 'foo' is not one torch knows"),

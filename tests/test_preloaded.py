@@ -1,0 +1,27 @@
+"`preloaded.run`, the tests' stand-in for a fresh interpreter: what it gives is what `python -c` gives"
+import os, subprocess, sys, pytest
+import preloaded
+
+@pytest.mark.parametrize('code', [
+    "import sys; print('out', sys.argv); print('err', file=sys.stderr)",
+    "import sys; sys.exit(3)",
+    "import sys; sys.exit('a message')",
+    "raise ValueError('boom')",
+    "import atexit, os; atexit.register(lambda: print('at exit', os.environ['CLFAST_TEST_VALUE'], os.getcwd()))"])
+def test_run_is_python_c(code, tmp_path):
+    "The exit status, stdout and stderr of `python -c code a b` with a variable set and another folder, as a fresh interpreter's"
+    args, env = [sys.executable, '-c', code, 'a', 'b'], {**os.environ, 'CLFAST_TEST_VALUE': 'v'}
+    want = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True)
+    got = preloaded.run(args, env=env, cwd=tmp_path)
+    assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
+
+def test_run_starts_fresh_where_an_import_reads_the_environment():
+    """A variable the preloaded torch read as it was imported (its thread count, one more than this process's) is the
+    child's: a fresh interpreter"""
+    import torch
+    n = torch.get_num_threads() + 1
+    r = preloaded.run([sys.executable, '-c', "import torch; print(torch.get_num_threads())"], env={**os.environ, 'OMP_NUM_THREADS': str(n)})
+    assert r.stdout.strip() == str(n), r.stderr[-2000:]
+
+def test_run_times_out():
+    with pytest.raises(subprocess.TimeoutExpired): preloaded.run([sys.executable, '-c', 'import time; time.sleep(30)'], timeout=1)

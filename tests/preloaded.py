@@ -1,9 +1,10 @@
-"""The tests' ranks and child processes, forked from one server process that imported torch, fastai and timm once (multiprocessing's
-'forkserver'), not each a fresh interpreter importing them: a fresh one took 3-10 s to reach the test's code on these
-2-core machines, a forked one 0.1 s. clfast itself is not preloaded: ranks set its environment (CLFAST_KERNELS,
-CLFAST_HOST_EXCHANGE) before they import it. Triton is (torchvision imports it): ranks that run Triton's interpreter
-start fresh, since Triton reads TRITON_INTERPRET when it is imported (its own library's functions, `tl.sum`'s combine,
-stay compiled-only and raise "Cannot call @triton.jit'd outside of the scope of a kernel" in an interpreted kernel)"""
+"""The tests' ranks and child processes, forked from one server process that imported torch, fastai and timm once
+(multiprocessing's 'forkserver'), not each a fresh interpreter importing them: a fresh one took 3-10 s to reach the
+test's code on these 2-core machines, a forked one 0.1 s. clfast itself is not preloaded: ranks set its environment
+(CLFAST_KERNELS, CLFAST_HOST_EXCHANGE) before they import it. Triton is (torchvision imports it): ranks that run
+Triton's interpreter start fresh, since Triton reads TRITON_INTERPRET when it is imported (the functions it defines
+then, `triton.language.standard`'s, stay compiled-only, and an interpreted kernel raised "Cannot call @triton.jit'd
+outside of the scope of a kernel")"""
 import atexit, gc, importlib, multiprocessing, os, subprocess, sys, tempfile, threading, traceback
 import torch.multiprocessing as mp
 
@@ -58,7 +59,7 @@ def run(args:list, env:dict|None=None, cwd=None, timeout:float|None=None) -> sub
     fresh interpreter's. Where `env` changes what the preloaded modules read at import (`_AT_IMPORT`), a fresh one"""
     env = dict(os.environ if env is None else env)
     ctx = _server()
-    changed = {k for k in env.keys() ^ _server_env.keys() | {k for k in env if env[k] != _server_env.get(k)}}
+    changed = (env.keys() ^ _server_env.keys()) | {k for k in env if env[k] != _server_env.get(k)}
     if args[:2] != [sys.executable, '-c'] or any(k.startswith(_AT_IMPORT) for k in changed):
         return subprocess.run(args, env=env, cwd=cwd, timeout=timeout, capture_output=True, text=True)
     with tempfile.TemporaryDirectory() as d:

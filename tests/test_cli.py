@@ -11,8 +11,8 @@ def _run(*args, commands:tuple=(), fresh:bool=True):
             "    try: main(argv)\n    except SystemExit as e: print('exit', e.code)\n"
             "print('heavy', any(m in sys.modules for m in ('torch', 'fastai')))")
     runs = [[c, *args] for c in commands] or [list(args)]
-    args = [sys.executable, '-c', code, json.dumps(runs)]
-    return subprocess.run(args, capture_output=True, text=True) if fresh else preloaded.run(args)
+    cmd = [sys.executable, '-c', code, json.dumps(runs)]
+    return subprocess.run(cmd, capture_output=True, text=True) if fresh else preloaded.run(cmd)
 
 @pytest.mark.parametrize('cmd', ['demo', 'audit-models'])
 def test_help_without_torch(cmd):

@@ -1,7 +1,8 @@
 """A numerical sweep of stock PyTorch CPU ops besides Conv2d (conv_transpose2d, pools, adaptive pools, interpolate,
 pixel shuffle, pad, cat, group/instance/batch norm, grid_sample, pointwise activations), channels-last and contiguous,
 against fp64 of the same rounded inputs, a poisoned freed buffer before each call (session 47; findings in
-BENCHMARKS.md, Session 47; repros of each wrong class in benchmarks/stock_repros/). No clfast code runs.
+BENCHMARKS.md, Session 47; repros of each wrong class in benchmarks/stock_repros/). No clfast code runs. The convT1x1
+family (session 67) draws the 1x1 transposed convs with padding and groups that convT's draws never reach.
 
     OMP_NUM_THREADS=2 python benchmarks/sweep_stock_ops.py FAMILY START COUNT [dtypes]   # JSON lines on stdout
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 CL = torch.channels_last
 DTS = {'bf16': torch.bfloat16, 'f32': torch.float32, 'f16': torch.float16}
 EPS = {'bf16': 2.0 ** -8, 'f16': 2.0 ** -11, 'f32': 2.0 ** -24}
-FAMS = ['convT', 'maxpool', 'avgpool', 'adaptive', 'interp', 'misc', 'norm', 'grid', 'pointwise']
+FAMS = ['convT', 'maxpool', 'avgpool', 'adaptive', 'interp', 'misc', 'norm', 'grid', 'pointwise', 'convT1x1']
 
 
 def poison():
@@ -72,18 +73,37 @@ def draw(spec, g, dtn):
 
 
 # ---------------------------------------------------------------- case generators
+def _conv_groups(r):
+    "(Cin, groups, Cout): one group, two, or depthwise (a multiplier of 1 or 2)"
+    gk = r.choice(['g1', 'g1', 'g2', 'dw'])
+    Cin = chans(r)
+    if gk == 'g1':
+        G = 1; Cout = chans(r)
+    elif gk == 'g2':
+        Cin = max(2, Cin + (Cin % 2)); G = 2; Cout = 2 * r.randint(1, 18)
+    else:
+        G = Cin; Cout = Cin * r.choice([1, 1, 2])
+    return Cin, G, Cout
+
+
+def _convT_case(r, N, Cin, Cout, H, W, G, k, s, p, op, d, out):
+    "A conv_transpose2d case of this geometry, with a bias half the time"
+    bias = r.random() < 0.5
+    geom = dict(N=N, Cin=Cin, Cout=Cout, H=H, W=W, G=G, k=k, s=s, p=p, op=op, d=d, bias=bias, out=out)
+    ins = dict(x=inp((N, Cin, H, W)), w=inp((Cin, Cout // G, *k), scale=1 / math.sqrt(Cin / G * k[0] * k[1])))
+    if bias:
+        ins['b'] = inp((Cout,))
+
+    def fn(x, w, b=None, _a=s, _p=p, _o=op, _g=G, _d=d):
+        return F.conv_transpose2d(x, w, b, _a, _p, _o, _g, _d)
+    return geom, ins, fn, [0]
+
+
 def gen_convT(r):
     while True:
         H, W = hw(r), hw(r)
         N = batch(r, H, W)
-        gk = r.choice(['g1', 'g1', 'g2', 'dw'])
-        Cin = chans(r)
-        if gk == 'g1':
-            G = 1; Cout = chans(r)
-        elif gk == 'g2':
-            Cin = max(2, Cin + (Cin % 2)); G = 2; Cout = 2 * r.randint(1, 18)
-        else:
-            G = Cin; Cout = Cin * r.choice([1, 1, 2])
+        Cin, G, Cout = _conv_groups(r)
         kh = r.randint(1, 4); kw = kh if r.random() < 0.7 else r.randint(1, 4)
         sh_ = r.randint(1, 3); sw = sh_ if r.random() < 0.7 else r.randint(1, 3)
         dh = r.choice([1, 1, 2]); dw_ = dh if r.random() < 0.8 else r.choice([1, 2])
@@ -93,16 +113,23 @@ def gen_convT(r):
         Wo = (W - 1) * sw - 2 * pw + dw_ * (kw - 1) + opw + 1
         if Ho < 1 or Wo < 1:
             continue
-        bias = r.random() < 0.5
-        geom = dict(N=N, Cin=Cin, Cout=Cout, H=H, W=W, G=G, k=(kh, kw), s=(sh_, sw), p=(ph, pw), op=(oph, opw),
-                    d=(dh, dw_), bias=bias, out=(Ho, Wo))
-        ins = dict(x=inp((N, Cin, H, W)), w=inp((Cin, Cout // G, kh, kw), scale=1 / math.sqrt(Cin / G * kh * kw)))
-        if bias:
-            ins['b'] = inp((Cout,))
+        return _convT_case(r, N, Cin, Cout, H, W, G, (kh, kw), (sh_, sw), (ph, pw), (oph, opw), (dh, dw_), (Ho, Wo))
 
-        def fn(x, w, b=None, _a=(sh_, sw), _p=(ph, pw), _o=(oph, opw), _g=G, _d=(dh, dw_)):
-            return F.conv_transpose2d(x, w, b, _a, _p, _o, _g, _d)
-        return geom, ins, fn, [0]
+
+def gen_convT1x1(r):
+    "1x1 transposed convs with the padding gen_convT never draws for them (its padding stays below the kernel size)"
+    while True:
+        H, W = hw(r), hw(r)
+        N = batch(r, H, W)
+        Cin, G, Cout = _conv_groups(r)
+        sh_ = r.randint(1, 3); sw = sh_ if r.random() < 0.7 else r.randint(1, 3)
+        ph = r.randint(0, 2); pw = ph if r.random() < 0.7 else r.randint(0, 2)
+        oph = r.randint(0, sh_ - 1); opw = r.randint(0, sw - 1)
+        Ho = (H - 1) * sh_ - 2 * ph + oph + 1
+        Wo = (W - 1) * sw - 2 * pw + opw + 1
+        if Ho < 1 or Wo < 1:
+            continue
+        return _convT_case(r, N, Cin, Cout, H, W, G, (1, 1), (sh_, sw), (ph, pw), (oph, opw), (1, 1), (Ho, Wo))
 
 
 def gen_maxpool(r):
@@ -299,7 +326,7 @@ def gen_pointwise(r):
 
 
 GENS = dict(convT=gen_convT, maxpool=gen_maxpool, avgpool=gen_avgpool, adaptive=gen_adaptive, interp=gen_interp,
-            misc=gen_misc, norm=gen_norm, grid=gen_grid, pointwise=gen_pointwise)
+            misc=gen_misc, norm=gen_norm, grid=gen_grid, pointwise=gen_pointwise, convT1x1=gen_convT1x1)
 
 
 # ---------------------------------------------------------------- runner

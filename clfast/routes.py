@@ -469,7 +469,7 @@ class GuardedInstanceNorm2d(AsStock, nn.InstanceNorm2d):
             out.register_hook(Tensor.contiguous)
         return out
 
-# %% ../nbs/04c_routes.ipynb #46af68a7
+# %% ../nbs/04c_routes.ipynb #64f3affa
 # (x's shape, weight's shape, stride, padding, groups, output padding, dilation): transposed calls of the sweep's wrong set
 TRANSPOSED_WEIGHT_GRAD_CASES = (((3, 4, 1, 2), (4, 1, 1, 3), (1, 2), (0, 2), 4, (0, 0), (1, 1)),
                                 ((1, 38, 5, 1), (38, 4, 3, 3), (2, 3), (1, 1), 2, (1, 1), (1, 1)),
@@ -494,7 +494,8 @@ def one_by_one_wgrad_class(conv:nn.Module, isa:str|None=None) -> bool:
     """Whether transposed `conv` is in the class whose stock channels-last weight gradient reaches the kernel of oneDNN
     issue 6035 on this CPU (oneDNN's `isa`): a transposed conv's weight gradient is a conv's with the channels
     swapped, so a 1x1 transposed conv at stride 2 or more onto fewer output channels than the ISA's channel block
-    (`KNOWN_BAD_KERNELS`), with zero padding and one group (the class swept)"""
+    (`KNOWN_BAD_KERNELS`), with zero padding and one group: the class found wrong (padded and grouped 1x1 ones were
+    swept too, and were right: BENCHMARKS.md, session 67, AVX2)"""
     # the geometry first: `transposed_plan` asks at every call, and reading the ISA costs more than comparing sizes
     if not (isinstance(conv, nn.ConvTranspose2d) and tuple(conv.kernel_size) == (1, 1) and max(conv.stride) > 1
             and tuple(conv.padding) == (0, 0) and conv.groups == 1): return False

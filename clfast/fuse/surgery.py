@@ -23,7 +23,7 @@ from .syncbn import _cpu_sync_refusals, _install_sync_converter, _on_cpu, _refus
 # %% auto #0
 __all__ = ['is_fused', 'fuse_conv_bn', 'unfuse_conv_bn']
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #58ea5d81
+# %% ../../nbs/24d_fuse_surgery.ipynb #ed8ae08a
 def _describe(n, mod) -> str:
     "What an fx node computes, in words"
     if not isinstance(n, fx.Node): return 'a constant'
@@ -36,6 +36,15 @@ def _describe(n, mod) -> str:
         f = n.target if isinstance(n.target, str) else getattr(n.target, '__name__', str(n.target))
         return f"the result of {f}"
     return n.op
+
+def _first_line(e:Exception, width:int=120) -> str:
+    "The first line of `e`'s message (its class's name where it has none), cut at a word to `width` characters at most"
+    text = str(e).strip()
+    if not text: return type(e).__name__
+    line = text.splitlines()[0]
+    if len(line) <= width: return line
+    cut = line.rfind(' ', 0, width)
+    return (line[:cut] if cut > width // 2 else line[:width - 1]) + '…'   # a word longer than half of it: cut inside
 
 class _Fuser:
     "One surgery pass over `root`: fuses what it can, records what it fused and skipped"
@@ -190,7 +199,7 @@ class _Fuser:
 
 
     def untraceable(self, m, e):
-        msg = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        msg = _first_line(e)
         if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward:   # its children run in order
             kids = list(m.children())
             for i in range(len(kids) - 1):

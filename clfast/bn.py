@@ -173,14 +173,13 @@ def _sync_of(stock:type) -> type:
     if issubclass(stock, nn.SyncBatchNorm): return stock
     return sys.modules['timm.layers.norm_act'].SyncBatchNormAct if _qual(stock) == _BN_ACT else nn.SyncBatchNorm
 
-# %% ../nbs/27_bn.ipynb #77c57470
+# %% ../nbs/27_bn.ipynb #c94d63a2
 def make_precise(bn:nn.Module, sync:bool=False, process_group=None) -> nn.Module:
     "A precise module doing `bn`'s work (see `can_be_precise`) over its parameters, buffers and hooks (`rebuilt`), to put where `bn` was (`replace_modules`); `sync` makes it synchronize over `process_group` (None: the world)"
     if not can_be_precise(bn, sync):
         raise TypeError(f"{type(bn).__name__} cannot be made precise: clfast's op does the work of an nn.BatchNorm2d or "
                         "nn.SyncBatchNorm (or timm's BatchNormAct2d with a fusable activation and no drop)")
     stock = _sync_of(stock_class(bn)) if sync else stock_class(bn)
-    kernels_ready()   # now, not in a traced forward
     new = rebuilt(bn, precise_class(stock))
     if sync: new.process_group = process_group
     elif issubclass(stock, nn.SyncBatchNorm) and not hasattr(new, 'process_group'): new.process_group = None

@@ -399,7 +399,7 @@ def _link(fused:_FusedChain, bn:_PassThrough, act:_PassThrough|None=None) -> _Fu
         if m is not None: m.__dict__['_fused_by'] = fused
     return fused
 
-# %% ../nbs/23_fused.ipynb #825941cd
+# %% ../nbs/23_fused.ipynb #b038fc72
 def _act_spec(act, act_param, relu, default):
     "`(name, param)` from `act` (a name, a module) or the older `relu=True/False` spelling, else `default`"
     if relu is not None and act is not None: raise ValueError(f"give either relu={relu} or act={act!r}, not both")
@@ -424,7 +424,6 @@ class FusedConvBN2d(_FusedChain, nn.Conv2d):
         self.bn = nn.BatchNorm2d(out_channels, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         name, p = _act_spec(act, act_param, relu, 'relu')
         self.__dict__.update(act=name, act_param=p, mode=check_mode(mode), surgical=False)
-        kernels_ready()   # now, not in a traced forward
 
     @classmethod
     def from_modules(cls, conv:nn.Conv2d, bn:nn.BatchNorm2d, relu:bool|None=None, mode:str='speed',
@@ -447,7 +446,6 @@ class FusedConvBN2d(_FusedChain, nn.Conv2d):
             name, p = own
         fused = _link(rebuilt(conv, cls), rebuilt(bn, pass_through(stock_class(bn))))
         fused.__dict__.update(act=name, act_param=p, mode=check_mode(mode), surgical=True)
-        kernels_ready()   # now, not in a traced forward
         return fused
 
     @property

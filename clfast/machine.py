@@ -363,3 +363,11 @@ def still_running(process:str) -> bool:
         return age is None or 0 <= age < FOREIGN_RUN_S   # (a start after now: the machine booted since)
     fields = _proc_stat(pid)
     return process_alive(pid) and fields is not None and fields[19] == start
+
+# %% ../nbs/04_machine.ipynb #c11859cb
+def _constant_under_compile(fn):
+    """`torch.compiler.assume_constant_result(fn)` without its import of `torch._dynamo` (1.1 s of every import of
+    clfast's modules outside fastai, whose import has dynamo's already): the mark dynamo reads, which both torch's
+    decorators set (tests/test_guard.py checks that they set nothing else)"""
+    fn._dynamo_marked_constant = True
+    return fn

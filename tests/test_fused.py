@@ -1,5 +1,5 @@
 "FusedConvBN2d against the stock Conv2d -> BatchNorm2d (-> + residual) (-> activation) in fp64 (the oracle): outputs, gradients, running stats"
-import contextlib, copy, io, pickle, warnings
+import contextlib, copy, io, pickle, sys, warnings
 from unittest import mock
 import pytest, torch
 from torch import nn
@@ -13,6 +13,7 @@ from clfast.fuse import fuse_conv_bn
 from clfast import cpu_kernels, ops
 from clfast import fused as fused_mod
 from clfast.machine import MachineCache
+import preloaded
 
 pytestmark = pytest.mark.usefixtures('fused_way')   # these tests are of clfast's op: 'timed' could run a layer the stock way
 
@@ -290,6 +291,47 @@ def test_a_compiled_fused_layer_records_clfast_op(train):
     f = FusedConvBN2d(4, 8, 3, padding=1, act='relu').train(train)
     torch.compile(f, backend=backend, fullgraph=True)(torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last))
     assert any('clfast' in t for t in seen) and not any('batch_norm' in t for t in seen), seen
+
+@pytest.mark.parametrize('device', [pytest.param('cpu', marks=needs_cxx), pytest.param('cuda', marks=pytest.mark.cuda)])
+def test_the_cpu_library_loads_at_the_first_cpu_call_even_a_compiled_one(device):
+    """Making fused layers, fusing a model and running the CUDA path's Python on shape-only tensors (as a model bound
+    for a GPU does) load no C++ library: a GPU machine needs no compiler, and builds nothing for the CPU. A model
+    compiled before its first eager step loads it in its trace on the CPU (dynamo runs the loading as it is, a constant
+    of the graph), and on CUDA not at all: one graph that calls clfast's op, trained as fp64's stock modules"""
+    code = """if True:
+        import sys, torch, torchvision
+        from torch import nn
+        from clfast import ops
+        from clfast.fused import FusedConvBN2d
+        from clfast.fuse import fuse_conv_bn
+        torch.backends.cudnn.allow_tf32 = False   # (fp32 against fp64, as the suite's conftest sets)
+        device = sys.argv[1]
+        f = FusedConvBN2d(4, 8, 3, padding=1)
+        m = fuse_conv_bn(torchvision.models.resnet18(num_classes=4), 'speed').to('meta').to(memory_format=torch.channels_last)
+        m(torch.randn(2, 3, 32, 32, device='meta').to(memory_format=torch.channels_last)).sum().backward()
+        print('made and run on meta, loaded:', 'cpu' in ops._loaded)
+        seen = []
+        def backend(gm, inputs):
+            seen.extend(str(n.target) for n in gm.graph.nodes if n.op == 'call_function')
+            return gm.forward
+        ref = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()).double().to(device)
+        ref.load_state_dict(f.to_stock().state_dict())
+        f.to(device)
+        x = torch.randn(2, 4, 8, 8, device=device).to(memory_format=torch.channels_last)
+        out = torch.compile(f, backend=backend, fullgraph=True)(x)
+        want = ref(x.double())
+        out.square().sum().backward(); want.square().sum().backward()
+        rel = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+        err = max(rel(out, want), rel(f.weight.grad, ref[0].weight.grad), rel(f.bn.running_var, ref[1].running_var))
+        print('compiled, loaded:', ops._loaded.get('cpu', 'no'), 'clfast op:', any('clfast' in t for t in seen), 'err:', err)
+    """
+    r = preloaded.run([sys.executable, '-c', code, device], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert 'made and run on meta, loaded: False' in lines, r.stdout + r.stderr[-3000:]
+    compiled = next(l for l in lines if l.startswith('compiled'))
+    assert compiled.startswith(f"compiled, loaded: {'None' if device == 'cpu' else 'no'} clfast op: True err:"), compiled
+    assert float(compiled.split()[-1]) < 1e-5, compiled
 
 @pytest.mark.isa_neutral   # dynamo's tracing (the op inside compiled graphs runs at each level in test_torch_compile_fullgraph); 8 s a level, inductor compiling afresh
 def test_torch_compile_fullgraph_where_autocast_availability_is_untraceable(monkeypatch):

@@ -561,6 +561,53 @@ def test_clfast_build_seals_what_it_builds():
     assert lib.stat().st_mtime_ns == built   # nothing compiled
     assert cpu_kernels._sealed(level) and cpu_kernels.built_levels()[level] == 'cache'
 
+@pytest.mark.isa_neutral
+def test_a_load_seals_the_library_it_loads():
+    """A library its seal does not name (ninja compiled it again in a load, unasked: a source or torch's headers newer
+    than it) is sealed by that load: the next process loads it, rather than take it for a killed build's and compile it
+    once more (each process compiled it, 100 s apiece on Zen 3, seen with one venv reached by two paths)"""
+    if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
+    level = cpu_kernels.clfast_isa()
+    if cpu_kernels.installed_library(level)[0]: pytest.skip("this install's package holds the library: nothing to seal")
+    ops.kernels_ready()   # built (once) and loaded
+    lib = cpu_kernels._cached_library(level)
+    lib.with_suffix('.sha1').write_text('')   # not the library's: as a load whose ninja compiled it again left it
+    built = lib.stat().st_mtime_ns
+    # (not dropped as unsealed: this test is of the seal a load leaves, not of the drop)
+    code = "from clfast import cpu_kernels as c; c._drop_unsealed = lambda level: False; c.load(); print(c._sealed(c.clfast_isa()))"
+    p = subprocess.run([sys.executable, '-c', code], env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and p.stdout.split()[-1] == 'True', p.stdout + p.stderr[-3000:]
+    assert lib.stat().st_mtime_ns == built and cpu_kernels._sealed(level)   # nothing compiled; sealed
+
+@pytest.mark.isa_neutral
+def test_a_source_newer_than_the_cached_library_is_said(tmp_path, monkeypatch):
+    """`load` says it compiles again where a source was written after the cached library (a reinstall, a checkout), as
+    ninja will compile it then (it said nothing: 100 s of silence at a fused layer's first call)"""
+    lib = tmp_path/'clfast_bn_act_generic_x.so'
+    monkeypatch.setattr(cpu_kernels, '_cached_library', lambda level=None: lib)
+    newest = max(s.stat().st_mtime_ns for s in cpu_kernels.CSRC.glob('*.[ch]*'))
+    lib.write_bytes(b'')
+    os.utime(lib, ns=(newest, newest + 1))
+    assert not cpu_kernels._older_than_sources('generic')
+    os.utime(lib, ns=(newest, newest - 1))
+    assert cpu_kernels._older_than_sources('generic')
+
+@pytest.mark.isa_neutral
+def test_each_build_environment_has_its_own_cached_library(tmp_path):
+    """Two environments over one install (another compiler; a venv reached through a link, whose torch headers ninja's
+    build file names by that path) build into caches of their own: sharing one, each compiled the other's library
+    again at every switch"""
+    code = "from clfast.cpu_kernels import ext_name; print(ext_name())"
+    name = lambda python, **env: subprocess.run([python, '-c', code], env=_env(**env), capture_output=True, text=True,
+                                                timeout=300).stdout.split()[-1]
+    here = name(sys.executable)
+    assert here == cpu_kernels.ext_name()
+    assert name(sys.executable, CXX='g++') != here
+    if sys.prefix == sys.base_prefix: return   # not a venv: no link to reach it through
+    (tmp_path/'env').symlink_to(sys.prefix)
+    linked = tmp_path/'env'/Path(sys.executable).relative_to(sys.prefix)
+    assert name(str(linked)) != here
+
 def test_build_refuses_levels_above_this_cpu():
     with pytest.raises(ValueError, match='this CPU runs levels'): cpu_kernels.build(['avx1024'])
 

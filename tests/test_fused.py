@@ -311,8 +311,9 @@ def test_the_cpu_library_loads_at_the_first_cpu_call_even_a_compiled_one(device)
         m(torch.randn(2, 3, 32, 32, device='meta').to(memory_format=torch.channels_last)).sum().backward()
         print('made and run on meta, loaded:', 'cpu' in ops._loaded)
         seen = []
-        def backend(gm, inputs):
-            seen.extend(str(n.target) for n in gm.graph.nodes if n.op == 'call_function')
+        def backend(gm, inputs):   # (the graph's and its subgraphs': the layer op's Python twin is one of its own)
+            seen.extend(str(n.target) for g in gm.modules() if isinstance(g, torch.fx.GraphModule)
+                        for n in g.graph.nodes if n.op == 'call_function')
             return gm.forward
         ref = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU()).double().to(device)
         ref.load_state_dict(f.to_stock().state_dict())

@@ -580,9 +580,9 @@ def test_a_load_seals_the_library_it_loads():
     assert lib.stat().st_mtime_ns == built and cpu_kernels._sealed(level)   # nothing compiled; sealed
 
 @pytest.mark.isa_neutral
-def test_a_source_newer_than_the_cached_library_is_said(tmp_path, monkeypatch):
-    """`load` says it compiles again where a source was written after the cached library (a reinstall, a checkout), as
-    ninja will compile it then (it said nothing: 100 s of silence at a fused layer's first call)"""
+def test_a_source_newer_than_the_cached_library_is_found(tmp_path, monkeypatch):
+    """A source written after the cached library (a reinstall, a checkout) is found, so that `load` says it compiles
+    again, as ninja will then (it said nothing: 100 s of silence at a fused layer's first call)"""
     lib = tmp_path/'clfast_bn_act_generic_x.so'
     monkeypatch.setattr(cpu_kernels, '_cached_library', lambda level=None: lib)
     newest = max(s.stat().st_mtime_ns for s in cpu_kernels.CSRC.glob('*.[ch]*'))
@@ -602,7 +602,7 @@ def test_each_build_environment_has_its_own_cached_library(tmp_path):
                                                 timeout=300).stdout.split()[-1]
     here = name(sys.executable)
     assert here == cpu_kernels.ext_name()
-    assert name(sys.executable, CXX='g++') != here
+    assert name(sys.executable, CXX=str(tmp_path/'another-c++')) != here   # (a name: nothing is compiled)
     if sys.prefix == sys.base_prefix: return   # not a venv: no link to reach it through
     (tmp_path/'env').symlink_to(sys.prefix)
     linked = tmp_path/'env'/Path(sys.executable).relative_to(sys.prefix)

@@ -394,11 +394,13 @@ def test_narrow_map_calls_equal_fp64(case, autocast, monkeypatch):
 
 @pytest.mark.isa_neutral   # an import and a function's attributes
 def test_a_premise_is_marked_constant_without_importing_dynamo():
-    """`premise` carries what `torch.compiler.assume_constant_result` sets on a function, and nothing else, without the
-    decorator's import of torch._dynamo: clfast's modules import none (1.1 s of each import, in each child process)"""
-    marked, ours = torch.compiler.assume_constant_result(lambda: 0), routes._constant_under_compile(lambda: 0)
+    """`premise` (and whether the CPU's kernels are ready, whose first answer loads the C++ library) carries what
+    `torch.compiler.assume_constant_result` sets on a function, and nothing else, without the decorator's import of
+    torch._dynamo: clfast's modules import none (1.1 s of each import, in each child process)"""
+    from clfast import machine, ops
+    marked, ours = torch.compiler.assume_constant_result(lambda: 0), machine._constant_under_compile(lambda: 0)
     assert vars(ours) == vars(marked) and vars(marked)
-    assert all(getattr(routes.premise, k) == v for k, v in vars(marked).items())
+    assert all(getattr(f, k) == v for f in (routes.premise, ops._cpu_ready) for k, v in vars(marked).items())
     r = subprocess.run([sys.executable, '-c', "import sys, clfast.all, clfast.fused, clfast.guard, clfast.host_cost; "
                         "print('dynamo imported', 'torch._dynamo' in sys.modules)"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and 'dynamo imported False' in r.stdout, r.stdout + r.stderr[-2000:]

@@ -86,8 +86,11 @@ def _conv_groups(r):
     return Cin, G, Cout
 
 
-def _convT_case(r, N, Cin, Cout, H, W, G, k, s, p, op, d, out):
-    "A conv_transpose2d case of this geometry, with a bias half the time"
+def _convT_case(r, N, Cin, Cout, H, W, G, k, s, p, op, d):
+    "A conv_transpose2d case of this geometry, with a bias half the time; None where its output would be empty"
+    out = tuple((i - 1) * s_ - 2 * p_ + d_ * (k_ - 1) + o_ + 1 for i, k_, s_, p_, o_, d_ in zip((H, W), k, s, p, op, d))
+    if min(out) < 1:
+        return None
     bias = r.random() < 0.5
     geom = dict(N=N, Cin=Cin, Cout=Cout, H=H, W=W, G=G, k=k, s=s, p=p, op=op, d=d, bias=bias, out=out)
     ins = dict(x=inp((N, Cin, H, W)), w=inp((Cin, Cout // G, *k), scale=1 / math.sqrt(Cin / G * k[0] * k[1])))
@@ -109,11 +112,9 @@ def gen_convT(r):
         dh = r.choice([1, 1, 2]); dw_ = dh if r.random() < 0.8 else r.choice([1, 2])
         ph = r.randint(0, kh - 1); pw = r.randint(0, kw - 1)
         oph = r.randint(0, sh_ - 1); opw = r.randint(0, sw - 1)
-        Ho = (H - 1) * sh_ - 2 * ph + dh * (kh - 1) + oph + 1
-        Wo = (W - 1) * sw - 2 * pw + dw_ * (kw - 1) + opw + 1
-        if Ho < 1 or Wo < 1:
-            continue
-        return _convT_case(r, N, Cin, Cout, H, W, G, (kh, kw), (sh_, sw), (ph, pw), (oph, opw), (dh, dw_), (Ho, Wo))
+        case = _convT_case(r, N, Cin, Cout, H, W, G, (kh, kw), (sh_, sw), (ph, pw), (oph, opw), (dh, dw_))
+        if case:
+            return case
 
 
 def gen_convT1x1(r):
@@ -125,11 +126,9 @@ def gen_convT1x1(r):
         sh_ = r.randint(1, 3); sw = sh_ if r.random() < 0.7 else r.randint(1, 3)
         ph = r.randint(0, 2); pw = ph if r.random() < 0.7 else r.randint(0, 2)
         oph = r.randint(0, sh_ - 1); opw = r.randint(0, sw - 1)
-        Ho = (H - 1) * sh_ - 2 * ph + oph + 1
-        Wo = (W - 1) * sw - 2 * pw + opw + 1
-        if Ho < 1 or Wo < 1:
-            continue
-        return _convT_case(r, N, Cin, Cout, H, W, G, (1, 1), (sh_, sw), (ph, pw), (oph, opw), (1, 1), (Ho, Wo))
+        case = _convT_case(r, N, Cin, Cout, H, W, G, (1, 1), (sh_, sw), (ph, pw), (oph, opw), (1, 1))
+        if case:
+            return case
 
 
 def gen_maxpool(r):

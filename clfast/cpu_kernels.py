@@ -183,7 +183,7 @@ def _register_chooser():
                     "int[] dilation, int groups, int needs, bool rows, int[] ways) -> int")
     _chooser.impl('choose_backward', _choose_backward, 'CPU')
 
-# %% ../nbs/22_cpu_kernels.ipynb #36a88f2f
+# %% ../nbs/22_cpu_kernels.ipynb #ad6e6e2e
 PACKAGE = Path(clfast.__file__).parent
 
 def levels_here() -> list[str]:
@@ -216,11 +216,50 @@ def _build_levels(levels:list[str]|None) -> list[str]:
 
 def _drop_unsealed(level:str) -> bool:
     """Delete the cached library of `level` where it is not the one its build sealed (corrupted, or left by a killed
-    build: loading a truncated library kills the process with SIGBUS), saying so; whether it did"""
+    build: loading a truncated library kills the process with SIGBUS), saying so; whether it did. Under `_building`"""
     if not is_built(level) or _sealed(level): return False
     _say(f"the cached C++ CPU kernels at level {level} are not as built (corrupted, or left by a killed build); rebuilding ...")
     shutil.rmtree(_cached_library(level).parent, ignore_errors=True)
     return True
+
+def _ready(level:str) -> bool:
+    """Whether the cache holds the library of `level` as its build sealed it, no source newer than it: loaded as it is,
+    with no compiler and no build (a read-only cache too)"""
+    return is_built(level) and _sealed(level) and not _older_than_sources(level)
+
+@contextlib.contextmanager
+def _building(level:str):
+    """Held while a process drops, builds or seals the cached library of `level`; another waits, saying so, then finds it
+    ready. A lock file beside the library's folder, which a drop deletes: torch's own lock is inside it and held only
+    while ninja runs, so a process that found a library not yet sealed dropped a build in progress"""
+    from filelock import FileLock, Timeout   # (torch's own requirement)
+    folder = _cached_library(level).parent
+    lock = FileLock(str(folder.parent/f"{folder.name}.lock"))
+    try: lock.acquire(timeout=0)
+    except Timeout:
+        _say(f"another process is compiling the C++ CPU kernels at level {level}; waiting for it ...")
+        lock.acquire()
+    try: yield
+    finally: lock.release()
+
+def _build_sealed(level:str, verbose:bool=False, not_installed:str='') -> Path:
+    """Build the library of `level` into the cache and seal it, under `_building`: nothing where another process made it
+    ready meanwhile; one not as built dropped first; what compiles said on stderr, as it stalls the first fused call"""
+    with _building(level):
+        if _ready(level): return _cached_library(level)
+        fresh, t0 = not is_built(level), time.perf_counter()
+        if fresh: _say(f"compiling the C++ CPU kernels at level {level} for this torch"
+                       f"{f' ({not_installed}; ' if not_installed else ' ('}once, cached for later runs) ...")
+        elif _drop_unsealed(level): fresh = True
+        elif _older_than_sources(level):   # ninja compiles it again: said, as a fresh build is
+            fresh = True
+            _say(f"compiling the C++ CPU kernels at level {level} again: a source is newer than the cached library ...")
+        _build(level, verbose)
+        # sealed whenever it is not the library its seal names (a build, or one ninja found to do anyway): else the
+        # next process takes it for a killed build's and compiles it again
+        if not _sealed(level): _seal(level)
+        if fresh: _say(f"C++ CPU kernels compiled in {time.perf_counter() - t0:.0f} s")
+        return _cached_library(level)
 
 def build(levels:list[str]|None=None) -> dict:
     """Build the library of each of `levels` (default: this CPU's own, `clfast_isa()`; 'all': `levels_here()`) into the
@@ -232,9 +271,8 @@ def build(levels:list[str]|None=None) -> dict:
     took = {}
     for level in levels:
         t = time.perf_counter()
-        _drop_unsealed(level)   # as `load`: a library not as built is built again
-        # sealed as `load` seals what it builds: else the next load takes it for a killed build's and builds it again
-        p = subprocess.run([sys.executable, '-c', f"from clfast import cpu_kernels as c; c._build({level!r}, False); c._seal({level!r})"],
+        # as `load` builds: under the lock, a library not as built dropped, what it builds sealed
+        p = subprocess.run([sys.executable, '-c', f"from clfast import cpu_kernels as c; c._build_sealed({level!r})"],
                            env={**os.environ, ISA_CAP_ENV: level}, capture_output=True, text=True)
         if p.returncode:
             how = f"exit status {p.returncode}" if p.returncode > 0 else f"killed by signal {-p.returncode}"
@@ -278,28 +316,15 @@ def load(verbose:bool=False) -> Path|None:
         if _lib is None:
             level = clfast_isa()   # first: a bad CLFAST_MAX_CPU_ISA is an error (CpuIsaError) with or without a compiler
             installed, not_installed = installed_library(level)
-            if installed is not None:
-                torch.ops.load_library(str(installed))
-                _lib = installed
-                _loaded(level)
-                return _lib
-            why = missing_toolchain()
-            if why: raise RuntimeError(f"clfast C++ CPU kernels unavailable: {why} ({not_installed})")
-            fresh, t0 = not is_built(level), time.perf_counter()   # a fresh cache compiles: say so, it takes a while
-            if fresh: _say(f"compiling the C++ CPU kernels at level {level} for this torch ({not_installed}; once, "
-                           "cached for later runs) ...")
-            if not fresh and _drop_unsealed(level): fresh = True
-            elif not fresh and _older_than_sources(level):   # ninja compiles it again: said, as a fresh build is
-                fresh = True
-                _say(f"compiling the C++ CPU kernels at level {level} again: a source is newer than the cached library ...")
-            try: _lib = _build(level, verbose)
-            except Exception as e: raise RuntimeError(f"clfast C++ CPU kernels failed to build at level {level}: {e}") from e
-            # sealed whenever it is not the library its seal names (a build, or one ninja found to do anyway): else the
-            # next process takes it for a killed build's and compiles it again
-            if not _sealed(level): _seal(level)
-            _lib = Path(_lib) if _lib else None
-            if fresh: _say(f"C++ CPU kernels compiled in {time.perf_counter() - t0:.0f} s")
-            if _lib is not None: _loaded(level)
+            lib = installed or _cached_library(level)
+            if installed is None and not _ready(level):   # (a ready one loads as it is: no compiler, ninja or lock)
+                why = missing_toolchain()
+                if why: raise RuntimeError(f"clfast C++ CPU kernels unavailable: {why} ({not_installed})")
+                try: lib = _build_sealed(level, verbose, not_installed)
+                except Exception as e: raise RuntimeError(f"clfast C++ CPU kernels failed to build at level {level}: {e}") from e
+            torch.ops.load_library(str(lib))   # (after a build, torch's loading of it: the same library, a no-op)
+            _lib = lib
+            _loaded(level)
     return _lib
 
 # %% ../nbs/22_cpu_kernels.ipynb #7e7f6a9b

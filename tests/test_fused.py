@@ -334,6 +334,28 @@ def test_the_cpu_library_loads_at_the_first_cpu_call_even_a_compiled_one(device)
     assert compiled.startswith(f"compiled, loaded: {'None' if device == 'cpu' else 'no'} clfast op: True err:"), compiled
     assert float(compiled.split()[-1]) < 1e-5, compiled
 
+def test_a_call_that_does_not_take_the_op_loads_no_library():
+    """A fused layer recorded by `torch.jit.trace` or `torch.export` (which record the stock modules' ops) and a precise
+    BN whose call sums nothing (eval, no gradient, an NCHW input) neither load nor build the C++ library: each asked for
+    it first, which without a compiler warned, and in a fresh cache compiled for minutes, for nothing. (jit.trace's
+    default check runs the layer eagerly after: a CPU call that takes the op, so loads it; left out here)"""
+    code = """if True:
+        import torch
+        from torch import nn
+        from clfast import ops
+        from clfast.fused import FusedConvBN2d
+        from clfast.bn import make_precise
+        x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+        for train in (True, False):
+            f = FusedConvBN2d(3, 4, 3, padding=1).train(train)
+            torch.jit.trace(f, x, check_trace=False); torch.export.export(f, (x,))
+        p = make_precise(nn.BatchNorm2d(4)).eval()
+        with torch.no_grad(): p(torch.randn(2, 4, 5, 5))
+        print('loaded:', 'cpu' in ops._loaded)
+    """
+    r = preloaded.run([sys.executable, '-c', code], timeout=300)
+    assert r.returncode == 0 and r.stdout.split()[-1] == 'False', r.stdout + r.stderr[-3000:]
+
 @pytest.mark.isa_neutral   # dynamo's tracing (the op inside compiled graphs runs at each level in test_torch_compile_fullgraph); 8 s a level, inductor compiling afresh
 def test_torch_compile_fullgraph_where_autocast_availability_is_untraceable(monkeypatch):
     """torch 2.11's torch.compile cannot trace `torch.amp.is_autocast_available` (2.14's can): each fused layer's graph

@@ -10,6 +10,7 @@ from clfast import timing
 from clfast import ops, cpu_kernels
 from clfast.act import ACTS
 from clfast.reference import ConvGeometry
+import preloaded
 
 ROOT = Path(__file__).parent.parent
 # outputs / gradients, relative to the tensor's scale
@@ -266,6 +267,65 @@ def test_ref_env_serves_the_cpu_with_the_reference():
     p = subprocess.run([sys.executable, '-c', code], env=_env(CLFAST_KERNELS='ref'), capture_output=True, text=True)
     assert p.returncode == 0 and 'ops.py' in p.stdout and 'conv_bn_act.cpp' not in p.stdout, p.stdout + p.stderr
 
+def test_a_misspelt_kernel_set_is_refused_at_every_call():
+    """A CLFAST_KERNELS that names no kernel set is refused as a fused layer is made, and at each CPU call where it is
+    set later: it was refused at the first call only, then the machine's own kernels ran as if unset"""
+    code = textwrap.dedent("""
+        import os, torch
+        from clfast import ops
+        from clfast.fused import FusedConvBN2d
+        try: FusedConvBN2d(3, 4, 3, padding=1); print('made')
+        except ValueError as e: print('refused when made:', e)
+        del os.environ['CLFAST_KERNELS']
+        f = FusedConvBN2d(3, 4, 3, padding=1)
+        os.environ['CLFAST_KERNELS'] = 'bogus'
+        for _ in range(2):
+            try: f(torch.randn(2, 3, 5, 5)); print('ran')
+            except ValueError: print('refused')
+        print('served:', ops._SERVED)""")
+    r = preloaded.run([sys.executable, '-c', code], env=_env(CLFAST_KERNELS='bogus'), timeout=300)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and lines[0].startswith("refused when made: CLFAST_KERNELS='bogus' is not a kernel set"), r.stdout + r.stderr[-3000:]
+    assert lines[1:] == ['refused', 'refused', 'served: {}'], r.stdout
+
+def test_a_cpu_level_this_machine_cannot_take_is_refused_as_a_module_is_made():
+    """A CLFAST_MAX_CPU_ISA that names no level is refused as fused and precise modules are made, before anything loads:
+    at the first CPU call it would be inside torch.compile's trace, where dynamo calls it an internal error of its own"""
+    code = textwrap.dedent("""
+        from torch import nn
+        from clfast import ops
+        from clfast.machine import CpuIsaError
+        from clfast.fused import FusedConvBN2d
+        from clfast.bn import make_precise
+        for make in (lambda: FusedConvBN2d(3, 4, 3, padding=1), lambda: make_precise(nn.BatchNorm2d(4)),
+                     lambda: FusedConvBN2d.from_modules(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4))):
+            try: make(); print('made')
+            except CpuIsaError as e: print('refused:', e)
+        print('loaded:', 'cpu' in ops._loaded)""")
+    r = preloaded.run([sys.executable, '-c', code], env=_env(CLFAST_MAX_CPU_ISA='avx3'), timeout=300)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 4, r.stdout + r.stderr[-3000:]
+    assert all(l.startswith("refused: CLFAST_MAX_CPU_ISA='avx3' is not a clfast CPU level") for l in lines[:3]), r.stdout
+    assert lines[3] == 'loaded: False'
+
+def test_two_threads_first_cpu_calls_load_once():
+    """Two threads making a process's first CPU call at once load the kernels once: each served CLFAST_KERNELS's set,
+    twice over (the load held up here so that both are inside it, as a real first load's build or disk read does)"""
+    code = textwrap.dedent("""
+        import threading, time
+        from clfast import ops, cpu_kernels
+        real = cpu_kernels.load
+        def slow(*a, **k): time.sleep(0.3); return real(*a, **k)
+        cpu_kernels.load = slow
+        both = threading.Barrier(2)
+        def first(): both.wait(); ops.kernels_ready()
+        threads = [threading.Thread(target=first) for _ in range(2)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        print('served:', ops._SERVED, len(ops._FORCED))""")
+    r = preloaded.run([sys.executable, '-c', code], env=_env(CLFAST_KERNELS='ref'), timeout=600)
+    assert r.returncode == 0 and r.stdout.strip() == "served: {'CPU': ['ref']} 1", r.stdout + r.stderr[-3000:]
+
 @pytest.mark.isa_neutral
 def test_no_compiler_falls_back_with_one_warning(tmp_path):
     "Without a C++ compiler the fused layer still works, as its stock modules, after exactly one warning"
@@ -278,7 +338,7 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path):
         cpu_kernels.PACKAGE = Path({str(tmp_path)!r})   # as an install without a compiler: no installed library
         with warnings.catch_warnings(record=True) as ws:
             warnings.simplefilter('always')
-            f = FusedConvBN2d(3, 4, 3, padding=1, act='silu')   # the warning comes here, when the module is made
+            f = FusedConvBN2d(3, 4, 3, padding=1, act='silu')
             for _ in range(3): f(torch.randn(2, 3, 5, 5)).sum().backward()
         msgs = [str(w.message) for w in ws if 'clfast' in str(w.message)]
         assert len(msgs) == 1 and 'run as their stock modules' in msgs[0] and 'compiler' in msgs[0], msgs
@@ -541,43 +601,75 @@ def test_setup_builds_no_kernels_unless_asked(tmp_path):
                            env=_env(CXX=str(tmp_path/'no-such-c++'), CLFAST_BUILD_KERNELS=which))
         assert p.returncode != 0 and says in p.stderr, p.stderr
 
-@pytest.mark.isa_neutral
-def test_clfast_build_seals_what_it_builds():
-    """A library `clfast build` built loads without a rebuild (it is sealed as first use seals), and `built_levels` lists
-    it. On the library already built: a no-op build, then its seal written again (a missing seal would have the build
-    drop the library as a killed build's and compile it again, 45 s of the test command)"""
+@pytest.fixture
+def cache_copy(tmp_path, monkeypatch):
+    """`(level, library)`: this process's cached library of its level (built once, loaded), copied with its build folder
+    into a cache of its own (TORCH_EXTENSIONS_DIR, for this test and its child processes), so that a test changing it
+    leaves the suite's alone"""
     if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
     level = cpu_kernels.clfast_isa()
-    if cpu_kernels.installed_library(level)[0]: pytest.skip("this install's package holds the library: nothing to build")
-    ops.kernels_ready()   # built (once) and loaded
-    lib = cpu_kernels._cached_library(level)
-    seal = lib.with_suffix('.sha1')
-    seal.write_text('')   # as a build killed before its seal leaves it, but for the library, whole here
-    assert not cpu_kernels._sealed(level) and cpu_kernels.built_levels()[level] == ''
-    built = lib.stat().st_mtime_ns
-    with pytest.MonkeyPatch.context() as mp:   # (not dropped as unsealed: this test is of the seal, not of the drop)
-        mp.setattr(cpu_kernels, '_drop_unsealed', lambda level: False)
-        cpu_kernels.build([level])
-    assert lib.stat().st_mtime_ns == built   # nothing compiled
-    assert cpu_kernels._sealed(level) and cpu_kernels.built_levels()[level] == 'cache'
+    if cpu_kernels.installed_library(level)[0]: pytest.skip("this install's package holds the library: no cache")
+    ops.kernels_ready()
+    folder = cpu_kernels._cached_library(level).parent
+    shutil.copytree(folder, tmp_path/folder.name)   # (the files' times kept: ninja's)
+    monkeypatch.setenv('TORCH_EXTENSIONS_DIR', str(tmp_path))
+    return level, cpu_kernels._cached_library(level)
 
 @pytest.mark.isa_neutral
-def test_a_load_seals_the_library_it_loads():
-    """A library its seal does not name (ninja compiled it again in a load, unasked: a source or torch's headers newer
-    than it) is sealed by that load: the next process loads it, rather than take it for a killed build's and compile it
-    once more (each process compiled it, 100 s apiece on Zen 3, seen with one venv reached by two paths)"""
-    if cpu_kernels.missing_toolchain(): pytest.skip(cpu_kernels.missing_toolchain())
-    level = cpu_kernels.clfast_isa()
-    if cpu_kernels.installed_library(level)[0]: pytest.skip("this install's package holds the library: nothing to seal")
-    ops.kernels_ready()   # built (once) and loaded
-    lib = cpu_kernels._cached_library(level)
-    lib.with_suffix('.sha1').write_text('')   # not the library's: as a load whose ninja compiled it again left it
+def test_clfast_build_seals_what_it_builds(cache_copy):
+    """What `clfast build` builds is sealed, as a first use seals it, so that the next load takes it as it is, and
+    `built_levels` lists it: here a library older than its sources, which ninja only links again (a missing seal would
+    have the next load drop it as a killed build's and compile it again, 45 s of the test command)"""
+    level, lib = cache_copy
+    assert cpu_kernels._ready(level) and cpu_kernels.built_levels()[level] == 'cache'
+    objects = {o: o.stat().st_mtime_ns for o in lib.parent.glob('*.o')}
+    older = min(s.stat().st_mtime_ns for s in cpu_kernels.CSRC.glob('*.[ch]*')) - 10**9
+    os.utime(lib, ns=(older, older))
+    assert not cpu_kernels._ready(level)
+    cpu_kernels.build([level])
+    assert lib.stat().st_mtime_ns > older and objects == {o: o.stat().st_mtime_ns for o in objects}   # linked, nothing compiled
+    assert cpu_kernels._ready(level) and cpu_kernels.built_levels()[level] == 'cache'
+
+@pytest.mark.isa_neutral
+def test_a_load_seals_the_library_it_loads(cache_copy):
+    """A library its seal does not name, where ninja finds nothing to do, is sealed by the load that builds it: the next
+    process loads it, rather than take it for a killed build's and compile it once more (each process compiled it, 100
+    s apiece on Zen 3, seen with one venv reached by two paths)"""
+    level, lib = cache_copy
+    lib.with_suffix('.sha1').write_text('')   # not the library's
     built = lib.stat().st_mtime_ns
     # (not dropped as unsealed: this test is of the seal a load leaves, not of the drop)
     code = "from clfast import cpu_kernels as c; c._drop_unsealed = lambda level: False; c.load(); print(c._sealed(c.clfast_isa()))"
     p = subprocess.run([sys.executable, '-c', code], env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0 and p.stdout.split()[-1] == 'True', p.stdout + p.stderr[-3000:]
     assert lib.stat().st_mtime_ns == built and cpu_kernels._sealed(level)   # nothing compiled; sealed
+
+@pytest.mark.isa_neutral
+def test_a_ready_library_loads_without_a_compiler_or_a_build(cache_copy):
+    """A cached library as its build sealed it, no source newer, loads as it is: with no compiler on PATH (it was refused
+    for want of one) and no build run (ninja ran at every load; a read-only cache failed on torch's lock file)"""
+    level, lib = cache_copy
+    code = "from clfast import cpu_kernels as c; c._build = c._building = None; print(c.load())"
+    p = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
+                       env=_env(PATH=str(Path(sys.executable).parent)))   # (this environment's ninja, no compiler)
+    assert p.returncode == 0 and p.stdout.split()[-1] == str(lib), p.stdout + p.stderr[-3000:]
+
+@pytest.mark.isa_neutral
+def test_a_second_process_waits_for_a_build_in_progress(cache_copy):
+    """A process that finds the cached library linked but not sealed while another builds it waits for that build,
+    saying so, and loads what it built: it took the library for a killed build's and deleted the build in progress"""
+    level, lib = cache_copy
+    lib.with_suffix('.sha1').unlink()   # as a build in progress leaves it: linked, not yet sealed
+    code = "from clfast import cpu_kernels as c; c._build = None; print(c.load())"
+    with cpu_kernels._building(level):   # this process builds
+        p = subprocess.Popen([sys.executable, '-c', code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        said = ''
+        while (line := p.stderr.readline()) and 'another process is compiling the C++ CPU kernels' not in line: said += line
+        assert line, said[-3000:]
+        cpu_kernels._seal(level)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and out.split()[-1] == str(lib), out + err[-3000:]
 
 @pytest.mark.isa_neutral
 def test_a_source_newer_than_the_cached_library_is_found(tmp_path, monkeypatch):

@@ -58,7 +58,7 @@ def guard_plan(conv:nn.Module, failures:list|None=None, isa:str|None=None):
                                      f"({', '.join(sorted(set(found)))}; {MachineCache(CHECK_CACHE).path})")
     return None
 
-# %% ../nbs/05_guard.ipynb #8edf115f
+# %% ../nbs/05_guard.ipynb #cd918fb6
 def unguard_model(model:nn.Module) -> nn.Module:
     "Remove every guard `guard_model` put on `model`, in place (guarded convs and precise BNs back to their stock classes); idempotent"
     need_module(model, 'unguard_model')
@@ -119,6 +119,10 @@ def guard_model(model:nn.Module, device:torch.device|str|None=None) -> list:
             want = GuardedConvTranspose2d if may_meet_transposed_route(m) else nn.ConvTranspose2d
             if type(m) is not want: new[m] = rebuilt(m, want) if want is GuardedConvTranspose2d else m._stock_module()
             continue
+        if isinstance(m, nn.ConvTranspose2d):   # a subclass (a lazy one becomes stock at its first call: guarded then)
+            if not isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.weight.requires_grad and may_meet_transposed_route(m):
+                skipped.append((name, type(m).__name__))
+            continue
         if not isinstance(m, nn.Conv2d): continue
         plan = guard_plan(m, failures, isa)
         if type(m) in (nn.Conv2d, GuardedConv2d):   # stock, or guarded by an earlier call: a GuardedConv2d where routed
@@ -136,8 +140,8 @@ def guard_model(model:nn.Module, device:torch.device|str|None=None) -> list:
     replace_modules(model, new)   # each where its module was (the root: in place)
     if skipped:
         msg = (f"clfast guard: {', '.join(f'{n} ({t})' for n,t in skipped)} would reach a known-bad stock kernel "
-               "in channels-last but are not stock nn.Conv2d, so clfast cannot guard them: train them "
-               "contiguous (learn.to_contiguous()) or replace them with nn.Conv2d.")
+               "in channels-last but are not stock nn.Conv2d or nn.ConvTranspose2d, so clfast cannot guard them: train "
+               "them contiguous (learn.to_contiguous()) or replace them with the stock class.")
         said = _said.setdefault(model, set())
         if msg not in said:
             said.add(msg)

@@ -17,6 +17,14 @@ __all__ = ['CPU_LEVELS', 'LEVEL_FLAGS', 'ISA_CAP_ENV', 'ISA_ORDER', 'ISA_ENV', '
            'clfast_isa', 'isa_env', 'onednn_isa', 'cpu_isa', 'machine_key', 'cache_dir', 'MachineCache',
            'keep_heap_steady', 'OthersCpu', 'pid_namespace', 'process_alive', 'this_process', 'still_running']
 
+# %% ../nbs/04_machine.ipynb #c11859cb
+def _constant_under_compile(fn):
+    """`torch.compiler.assume_constant_result(fn)` without its import of `torch._dynamo` (1.1 s of every import of
+    clfast's modules outside fastai, whose import has dynamo's already): the mark dynamo reads, which both torch's
+    decorators set (tests/test_guard.py checks that they set nothing else)"""
+    fn._dynamo_marked_constant = True
+    return fn
+
 # %% ../nbs/04_machine.ipynb #281bc869
 def _cpuinfo() -> dict:
     "The first processor's fields in /proc/cpuinfo (empty off Linux)"
@@ -89,7 +97,7 @@ def clfast_isa() -> str:
         warn_user(f"{ISA_CAP_ENV}={raw} is above this CPU's level: clfast runs at the host's level {host}")
     return host
 
-# %% ../nbs/04_machine.ipynb #d799e55e
+# %% ../nbs/04_machine.ipynb #02856b32
 ISA_ORDER = ('sse41', 'avx', 'avx2', 'avx512')   # the oneDNN x86 ISA families clfast tells apart, lowest first
 
 def _isa_of(name:str) -> str|None:
@@ -110,6 +118,7 @@ def isa_env() -> dict:
     ISA, the cache key) disagree with the kernels. A test that changes one in its own process calls `isa_env.cache_clear()`"""
     return {k: os.environ[k] for k in ISA_ENV if os.environ.get(k)}
 
+@_constant_under_compile   # (read at a transposed conv's CPU calls: `clfast.routes.one_by_one_wgrad_class`)
 def onednn_isa() -> str|None:
     "The x86 ISA family oneDNN's CPU kernels use here ('sse41', 'avx', 'avx2' or 'avx512'), None off x86"
     if not is_x86(): return None
@@ -363,11 +372,3 @@ def still_running(process:str) -> bool:
         return age is None or 0 <= age < FOREIGN_RUN_S   # (a start after now: the machine booted since)
     fields = _proc_stat(pid)
     return process_alive(pid) and fields is not None and fields[19] == start
-
-# %% ../nbs/04_machine.ipynb #c11859cb
-def _constant_under_compile(fn):
-    """`torch.compiler.assume_constant_result(fn)` without its import of `torch._dynamo` (1.1 s of every import of
-    clfast's modules outside fastai, whose import has dynamo's already): the mark dynamo reads, which both torch's
-    decorators set (tests/test_guard.py checks that they set nothing else)"""
-    fn._dynamo_marked_constant = True
-    return fn

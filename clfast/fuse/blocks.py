@@ -20,7 +20,7 @@ from ..fused import FusedConvBN2d, _FusedMixin, _FusedChain, _CHAIN_ATTRS, _link
 # %% auto #0
 __all__ = ['KNOWN_BLOCKS', 'BlockHandler', 'register_block']
 
-# %% ../../nbs/24b_fuse_blocks.ipynb #264b0817
+# %% ../../nbs/24b_fuse_blocks.ipynb #116f5456
 def _is(m, cls): return type(m) is cls
 
 _CONV_SAME, _MIXED = 'timm.layers.conv2d_same.Conv2dSame', 'timm.layers.mixed_conv2d.MixedConv2d'
@@ -102,7 +102,8 @@ def _conv_kind(conv) -> str|None:
 def _conv_why_not(conv) -> str|None:
     "None if the conv can be fused (class and geometry), else why not"
     kind = _conv_kind(conv)
-    if kind is None: return f"{type(conv).__name__} is not a stock nn.Conv2d (nor timm's Conv2dSame / MixedConv2d)"
+    if kind is None:   # (a guarded conv by its stock class's name: a GuardedConvTranspose2d is a ConvTranspose2d)
+        return f"{getattr(type(conv), '_stock_class', type(conv)).__name__} is not a stock nn.Conv2d (nor timm's Conv2dSame / MixedConv2d)"
     convs = list(conv.values()) if kind == 'mixed' else [conv]
     if kind == 'mixed' and not all(_conv_kind(c) in ('conv', 'same') for c in convs): return "MixedConv2d holds a conv of another class"
     for c in convs:

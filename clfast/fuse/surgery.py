@@ -23,7 +23,7 @@ from .syncbn import _cpu_sync_refusals, _install_sync_converter, _on_cpu, _refus
 # %% auto #0
 __all__ = ['is_fused', 'fuse_conv_bn', 'unfuse_conv_bn']
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #ed8ae08a
+# %% ../../nbs/24d_fuse_surgery.ipynb #ec387c3d
 def _describe(n, mod) -> str:
     "What an fx node computes, in words"
     if not isinstance(n, fx.Node): return 'a constant'
@@ -203,7 +203,7 @@ class _Fuser:
         if isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward:   # its children run in order
             kids = list(m.children())
             for i in range(len(kids) - 1):
-                if _conv_kind(kids[i]) is not None and isinstance(kids[i+1], _BatchNorm):
+                if isinstance(kids[i], _ConvNd) and isinstance(kids[i+1], _BatchNorm):   # (another class: its reason, from `fuse`)
                     bn = kids[i+1]
                     if self.why_not(kids[i], bn) is None: self.fuse(kids[i], bn, self.act_after(bn, kids[i+2:]))
                     else: self.fuse(kids[i], bn)
@@ -253,7 +253,7 @@ class _Tracer(fx.Tracer):
         super().__init__()
         self.fuser = fuser
     def is_leaf_module(self, m, qualname):
-        return (isinstance(m, (nn.Conv2d, _BatchNorm, _FusedMixin)) or _conv_kind(m) is not None or act_of(m) is not None
+        return (isinstance(m, (_ConvNd, _BatchNorm, _FusedMixin)) or _conv_kind(m) is not None or act_of(m) is not None
                 or self.fuser.is_block(m) or super().is_leaf_module(m, qualname))
     def call_module(self, m, forward, args, kwargs):
         # a module traced through runs its own forward, not its hooks (`forward` is `m.__call__`'s): a hook called here

@@ -25,3 +25,25 @@ def test_run_starts_fresh_where_an_import_reads_the_environment():
 
 def test_run_times_out():
     with pytest.raises(subprocess.TimeoutExpired): preloaded.run([sys.executable, '-c', 'import time; time.sleep(30)'], timeout=1)
+
+@pytest.mark.parametrize('code', [
+    "import tempfile; print(tempfile.gettempdir())",
+    "import importlib.util; print(importlib.util.find_spec('helpers') is not None)",
+    "import torch; from torch.utils.data import DataLoader; print(sum(b.sum().item() for b in DataLoader(torch.arange(8.), batch_size=2, num_workers=2)))"],
+    ids=['tmpdir', 'path', 'workers'])
+def test_run_is_python_c_in_what_the_server_set_up(code, tmp_path):
+    """What the server process fixed before the fork is a fresh interpreter's in the child: tempfile's folder (from this
+    TMPDIR), the module path (a fresh one does not find the tests' own modules), processes of its own (a daemon
+    cannot start a DataLoader's workers)"""
+    args, env = [sys.executable, '-c', code], {**os.environ, 'TMPDIR': str(tmp_path)}
+    want = subprocess.run(args, env=env, capture_output=True, text=True)
+    got = preloaded.run(args, env=env)
+    assert (got.returncode, got.stdout, got.stderr) == (want.returncode, want.stdout, want.stderr)
+
+def test_run_draws_random_states_of_its_own():
+    "Each child's torch and numpy draw their own seeds, as fresh interpreters do (forked ones shared the server's)"
+    code = "import torch, numpy; print(torch.initial_seed(), numpy.random.rand())"
+    assert len({preloaded.run([sys.executable, '-c', code]).stdout for _ in range(2)}) == 2
+
+def test_run_in_a_missing_folder_raises_as_subprocess_does(tmp_path):
+    with pytest.raises(FileNotFoundError): preloaded.run([sys.executable, '-c', 'pass'], cwd=tmp_path/'missing')

@@ -183,7 +183,7 @@ def _register_chooser():
                     "int[] dilation, int groups, int needs, bool rows, int[] ways) -> int")
     _chooser.impl('choose_backward', _choose_backward, 'CPU')
 
-# %% ../nbs/22_cpu_kernels.ipynb #ad6e6e2e
+# %% ../nbs/22_cpu_kernels.ipynb #44601eb1
 PACKAGE = Path(clfast.__file__).parent
 
 def levels_here() -> list[str]:
@@ -271,13 +271,19 @@ def build(levels:list[str]|None=None) -> dict:
     took = {}
     for level in levels:
         t = time.perf_counter()
-        # as `load` builds: under the lock, a library not as built dropped, what it builds sealed
-        p = subprocess.run([sys.executable, '-c', f"from clfast import cpu_kernels as c; c._build_sealed({level!r})"],
-                           env={**os.environ, ISA_CAP_ENV: level}, capture_output=True, text=True)
-        if p.returncode:
+        # as `load` builds: under the lock, a library not as built dropped, what it builds sealed; what it says passed
+        # on as it says it (another process's build it waits for, a library dropped), the rest kept for a failure
+        p = subprocess.Popen([sys.executable, '-c', f"from clfast import cpu_kernels as c; c._build_sealed({level!r})"],
+                             env={**os.environ, ISA_CAP_ENV: level}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+        said = []
+        for line in p.stderr:
+            said.append(line)
+            if line.startswith('clfast: '): print(line, end='', file=sys.stderr, flush=True)
+        if p.wait():
             how = f"exit status {p.returncode}" if p.returncode > 0 else f"killed by signal {-p.returncode}"
             raise RuntimeError(f"the C++ CPU kernels did not build at level {level} ({how}; delete "
-                               f"{_cached_library(level).parent} to start afresh):\n{p.stderr[-4000:]}")
+                               f"{_cached_library(level).parent} to start afresh):\n{''.join(said)[-4000:]}")
         took[level] = time.perf_counter() - t
     return took
 

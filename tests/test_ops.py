@@ -1,7 +1,7 @@
 """Tests of `clfast.ops`: the fused layer's op (`clfast::conv_bn_act`) over every kernel set that can run here (C++ on
 the CPU, the pure-PyTorch reference, Triton interpreted in a subprocess, CUDA when present) against the fp64 oracle:
 stock conv -> batch_norm -> (+ residual) -> activation, differentiated by autograd."""
-import contextlib, itertools, math, os, shutil, subprocess, sys, textwrap, warnings
+import contextlib, itertools, math, os, shutil, signal, subprocess, sys, textwrap, warnings
 from pathlib import Path
 from unittest import mock
 import pytest, torch
@@ -654,22 +654,42 @@ def test_a_ready_library_loads_without_a_compiler_or_a_build(cache_copy):
                        env=_env(PATH=str(Path(sys.executable).parent)))   # (this environment's ninja, no compiler)
     assert p.returncode == 0 and p.stdout.split()[-1] == str(lib), p.stdout + p.stderr[-3000:]
 
+def _waits_for_the_build(level:str, code:str) -> str:
+    """Run `python -c code` while this process holds the build lock of the cached library of `level` (linked, not yet
+    sealed, as a build in progress leaves it) until it says it waits (a failure after 120 s of silence), then seal the
+    library and let go: its exit status must be 0; what it said on stderr"""
+    import threading, time
+    cpu_kernels._cached_library(level).with_suffix('.sha1').unlink()
+    with cpu_kernels._building(level):   # this process builds
+        p = subprocess.Popen([sys.executable, '-c', code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)   # (a group of its own: killed with its children)
+        said = []
+        reader = threading.Thread(target=lambda: said.extend(p.stderr), daemon=True)   # (line by line, as they come)
+        reader.start()
+        deadline = time.monotonic() + 120
+        while (not any('another process is compiling the C++ CPU kernels' in l for l in said) and reader.is_alive()
+               and time.monotonic() < deadline): time.sleep(0.1)
+        if not any('another process is compiling' in l for l in said): os.killpg(p.pid, signal.SIGKILL)
+        else: cpu_kernels._seal(level)
+    p.wait(timeout=300); reader.join()
+    assert p.returncode == 0 and any('another process is compiling' in l for l in said), ''.join(said)[-3000:]
+    return p.stdout.read()
+
 @pytest.mark.isa_neutral
 def test_a_second_process_waits_for_a_build_in_progress(cache_copy):
     """A process that finds the cached library linked but not sealed while another builds it waits for that build,
     saying so, and loads what it built: it took the library for a killed build's and deleted the build in progress"""
     level, lib = cache_copy
-    lib.with_suffix('.sha1').unlink()   # as a build in progress leaves it: linked, not yet sealed
-    code = "from clfast import cpu_kernels as c; c._build = None; print(c.load())"
-    with cpu_kernels._building(level):   # this process builds
-        p = subprocess.Popen([sys.executable, '-c', code], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
-        said = ''
-        while (line := p.stderr.readline()) and 'another process is compiling the C++ CPU kernels' not in line: said += line
-        assert line, said[-3000:]
-        cpu_kernels._seal(level)
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 0 and out.split()[-1] == str(lib), out + err[-3000:]
+    out = _waits_for_the_build(level, "from clfast import cpu_kernels as c; c._build = None; print(c.load())")
+    assert out.split()[-1] == str(lib), out
+
+@pytest.mark.isa_neutral
+def test_clfast_build_says_what_its_build_says_as_it_says_it(cache_copy):
+    """`clfast build` passes on what its level's build process says, as it says it: here that it waits for another
+    process's build (it showed that process's output only after a failure: a silent wait)"""
+    level, lib = cache_copy
+    _waits_for_the_build(level, f"from clfast import cpu_kernels as c; c.build([{level!r}])")
+    assert cpu_kernels._ready(level)
 
 @pytest.mark.isa_neutral
 def test_a_source_newer_than_the_cached_library_is_found(tmp_path, monkeypatch):

@@ -183,7 +183,7 @@ def _register_chooser():
                     "int[] dilation, int groups, int needs, bool rows, int[] ways) -> int")
     _chooser.impl('choose_backward', _choose_backward, 'CPU')
 
-# %% ../nbs/22_cpu_kernels.ipynb #44601eb1
+# %% ../nbs/22_cpu_kernels.ipynb #e5d58a3f
 PACKAGE = Path(clfast.__file__).parent
 
 def levels_here() -> list[str]:
@@ -248,8 +248,8 @@ def _build_sealed(level:str, verbose:bool=False, not_installed:str='') -> Path:
     with _building(level):
         if _ready(level): return _cached_library(level)
         fresh, t0 = not is_built(level), time.perf_counter()
-        if fresh: _say(f"compiling the C++ CPU kernels at level {level} for this torch"
-                       f"{f' ({not_installed}; ' if not_installed else ' ('}once, cached for later runs) ...")
+        why = f"{not_installed}; " if not_installed else ''
+        if fresh: _say(f"compiling the C++ CPU kernels at level {level} for this torch ({why}once, cached for later runs) ...")
         elif _drop_unsealed(level): fresh = True
         elif _older_than_sources(level):   # ninja compiles it again: said, as a fresh build is
             fresh = True

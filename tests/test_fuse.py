@@ -85,7 +85,10 @@ def test_idempotent_and_mode_switch():
     fuse_conv_bn(m, 'speed'); n = len(fusion_report(m).fused)
     fuse_conv_bn(m, 'memory')
     assert all(c.mode == 'memory' for c in m.modules() if isinstance(c, FusedConvBN2d))
-    assert len(fusion_report(m).fused) == 0 and is_fused(m) and n > 0
+    r = fusion_report(m)
+    assert len(r.fused) == 0 and is_fused(m) and n > 0
+    # the second pass's report says what the first fused: 20 conv-BN chains (each BN), not "0 fused" alone
+    assert r.earlier == r.n_bn == 20 and '0 fused (20 conv-BN chains fused by an earlier pass)' in repr(r).splitlines()[0]
     unfuse_conv_bn(m); unfuse_conv_bn(m)
     assert not is_fused(m)
     with pytest.raises(ValueError, match="'speed' or 'memory'"): fuse_conv_bn(m, 'fast')

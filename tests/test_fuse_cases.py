@@ -127,6 +127,8 @@ def test_bad_input_left_unfused_with_reason():
     assert 'padding' in why['9'] and 'drop' in why['11'] and '13' not in why and type(m[14]) is nn.Tanh
     assert 'called more than once' in why['15.bn'] and 'called more than once' in why['15.bn2']
     assert len(why) == 8 and all(why.values())
+    # the conv called twice meets a BN at each call: one line says why it was not fused
+    assert [n for n, _ in fusion_report(m).skipped].count('15.conv') == 1
     x = torch.randn(2, 3, 12, 12)
     ref.eval(); m.eval()   # (Dropout)
     with torch.no_grad(): torch.testing.assert_close(m(x), ref(x), rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ from ..stock import need_module
 # %% auto #0
 __all__ = ['FusionReport', 'fusion_report']
 
-# %% ../../nbs/24a_fuse_report.ipynb #da088319
+# %% ../../nbs/24a_fuse_report.ipynb #f9a530f6
 @dataclass
 class FusionReport:
     "What `fuse_conv_bn` fused (qualified conv name, pattern), what it skipped (name, reason), and a reason for every BN left unfused"
@@ -26,10 +26,13 @@ class FusionReport:
     pointwise: list = field(default_factory=list)  # names of the 1x1 convs run as a matrix product on 1x1 maps (clfast.fuse.pointwise)
     opened: list = field(default_factory=list)     # (name, why): fused layers running as their stock modules since a module of theirs was replaced
     hooked: list = field(default_factory=list)     # names of fused layers and blocks running as their stock modules while a module of theirs has hooks
+    earlier: int = 0                               # conv-BN chains an earlier pass fused (a model fused again): `fused` lists this pass's
     @property
     def coverage(self) -> float: return 1. if not self.n_bn else 1 - len(self.unfused) / self.n_bn
     def __repr__(self):
-        lines = [f"FusionReport(mode={self.mode!r}): {len(self.fused)} fused, {len(self.skipped)} skipped"
+        lines = [f"FusionReport(mode={self.mode!r}): {len(self.fused)} fused"
+                 + (f" ({self.earlier} conv-BN chains fused by an earlier pass)" if self.earlier else '')
+                 + f", {len(self.skipped)} skipped"
                  + (f", {len(self.guarded)} guarded" if self.guarded else '')
                  + (f", {len(self.opened)} opened" if self.opened else '')
                  + (f", {len(self.hooked)} hooked" if self.hooked else '')

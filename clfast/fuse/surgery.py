@@ -23,7 +23,7 @@ from .syncbn import _cpu_sync_refusals, _install_sync_converter, _on_cpu, _refus
 # %% auto #0
 __all__ = ['is_fused', 'fuse_conv_bn', 'unfuse_conv_bn']
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #ec387c3d
+# %% ../../nbs/24d_fuse_surgery.ipynb #2c0f14dd
 def _describe(n, mod) -> str:
     "What an fx node computes, in words"
     if not isinstance(n, fx.Node): return 'a constant'
@@ -88,7 +88,8 @@ class _Fuser:
         return self.check(conv, bn) if self.check else None
 
     def skip(self, conv, bn, reason):
-        self.report.skipped.append((self.name(conv), reason))
+        if (self.name(conv), reason) not in self.report.skipped:   # (a conv called twice meets its BNs twice: said once)
+            self.report.skipped.append((self.name(conv), reason))
         if bn is not None:
             self.bn_reason.setdefault(id(bn), f"{reason} (conv {self.name(conv)})")
             self.by_conv.add(id(bn))
@@ -261,7 +262,7 @@ class _Tracer(fx.Tracer):
         # run at all; hooks there are `runs_unfused`'s
         return super().call_module(m, m.forward, args, kwargs)
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #e79af15c
+# %% ../../nbs/24d_fuse_surgery.ipynb #4e3ffad8
 def _fused_chains(model:nn.Module) -> list:
     "The fused chains `fuse_conv_bn` made in `model`: `FusedConvBN2d`s and timm's MixedConv2d's, whose `mode` it sets"
     return [m for m in model.modules() if isinstance(m, _FusedChain) and m.__dict__.get('surgical')]
@@ -278,8 +279,10 @@ def fuse_conv_bn(model:nn.Module, mode:str='speed', verbose:bool=False) -> nn.Mo
     was_fused = is_fused(model)
     _install_sync_converter()   # from now on PyTorch's (and timm's) converter must know fused layers
     _watch_registrations()   # and a module put in place of a fused chain's must compute as in the stock model
-    for m in _fused_chains(model): m.__dict__['mode'] = mode
+    earlier = _fused_chains(model)
+    for m in earlier: m.__dict__['mode'] = mode
     fuser = _Fuser(model, mode)
+    fuser.report.earlier = len(earlier)
     fuser.visit(model)
     fuser.watch_acts()
     report = fuser.finish()

@@ -23,7 +23,7 @@ from .syncbn import _cpu_sync_refusals, _install_sync_converter, _on_cpu, _refus
 # %% auto #0
 __all__ = ['is_fused', 'fuse_conv_bn', 'unfuse_conv_bn']
 
-# %% ../../nbs/24d_fuse_surgery.ipynb #2c0f14dd
+# %% ../../nbs/24d_fuse_surgery.ipynb #6e945b1e
 def _describe(n, mod) -> str:
     "What an fx node computes, in words"
     if not isinstance(n, fx.Node): return 'a constant'
@@ -44,7 +44,7 @@ def _first_line(e:Exception, width:int=120) -> str:
     line = text.splitlines()[0]
     if len(line) <= width: return line
     cut = line.rfind(' ', 0, width)
-    return (line[:cut] if cut > width // 2 else line[:width - 1]) + '…'   # a word longer than half of it: cut inside
+    return (line[:cut].rstrip() if cut > width // 2 else line[:width - 1]) + '…'   # a word longer than half of it: cut inside
 
 class _Fuser:
     "One surgery pass over `root`: fuses what it can, records what it fused and skipped"

@@ -17,8 +17,8 @@ from .syncstats import _group_name, _synced_stats, _synced_running_rows, _synced
 from .recompute import remember as remember_output, hooks_aside, saves_kept
 
 # %% auto #0
-__all__ = ['REFERENCE', 'kernel_layout', 'register_kernels', 'kernels_served', 'kernels_from', 'kernels_ready', 'autocast_on',
-           'no_autocast', 'autocast_dtype', 'autocast_cast', 'fused_conv_bn']
+__all__ = ['REFERENCE', 'kernel_layout', 'register_kernels', 'kernels_served', 'kernels_from', 'transformed', 'kernels_ready',
+           'autocast_on', 'no_autocast', 'autocast_dtype', 'autocast_cast', 'fused_conv_bn']
 
 # %% ../nbs/21_ops.ipynb #6f022571
 _lib = torch.library.Library('clfast', 'DEF')
@@ -144,7 +144,7 @@ def _(y, group):
 @torch.library.register_fake("clfast::synced_grad_means", lib=_lib)
 def _(sum_dz, sum_dzx, y, group): return sum_dz.new_empty(2, sum_dz.shape[0])
 
-# %% ../nbs/21_ops.ipynb #6ffbe4e4
+# %% ../nbs/21_ops.ipynb #4dcfd357
 _loaded: dict[str, Optional[str]] = {}   # 'cpu' -> None once the C++ library loaded, else why not; 'cuda:i' -> why not, or None
 _OTHER_KERNELS = dict(ref=lambda: REFERENCE, triton=_triton)
 _FORCED: list[torch.library.Library] = []   # CLFAST_KERNELS's registration: the process's
@@ -183,6 +183,12 @@ def _direct(x:Tensor) -> bool:
     if not (x.is_cuda or (served and served[-1] == 'triton')): return False
     return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
                 or torch._C._is_torch_function_mode_enabled())
+
+def transformed() -> bool:
+    """Whether a torch.func transform (`grad`, `vjp`, `jacrev`, `vmap`...) runs this call: torch refuses clfast's CPU op
+    there (a C++ autograd Function), and the old-style Python ones, so clfast's modules compute with stock ops (0.08 us
+    a call)"""
+    return torch._C._are_functorch_transforms_active()
 
 def kernels_ready(device:str|torch.device='cpu') -> bool:
     """Whether the fused layer's op can run on `device`; warns once, saying why, where not. On the CPU its kernels are

@@ -388,6 +388,28 @@ def test_a_bn_without_tensors_synchronizes_where_the_model_is(one_rank_gloo):
     on_meta = convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, affine=False, track_running_stats=False)).to('meta'))
     assert type(on_meta[1]) is nn.SyncBatchNorm
 
+def _func_refusal_worker(rank, init):
+    from torch.func import functional_call, grad
+    from clfast.fuse import convert_sync_batchnorm, fuse_conv_bn
+    _init(rank, init)
+    try:
+        x = torch.randn(4, 3, 10, 10)
+        for fuse in (False, True):
+            # (no running statistics, as `torch.func.replace_all_batch_norm_modules_` makes them: torch.func refuses
+            # their update in place)
+            m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8, track_running_stats=False), nn.SiLU())
+            if fuse: fuse_conv_bn(m)
+            convert_sync_batchnorm(m)
+            loss = lambda p: functional_call(m, p, (x,)).sum()
+            with pytest.raises(RuntimeError, match=r"cannot run inside a torch.func transform.*BatchNorms are not synchronized"):
+                grad(loss)(dict(m.named_parameters()))
+    finally: dist.destroy_process_group()
+
+def test_a_synchronized_bn_inside_torch_func_is_refused_by_name(tmp_path):
+    """torch.func cannot run clfast's synchronizing op (a C++ autograd Function): a synchronized BN training on the CPU,
+    alone or fused, says so and what to do in each rank, where torch's own error named neither clfast nor the module"""
+    _spawn(_func_refusal_worker, str(tmp_path/'init'))
+
 @pytest.mark.cuda
 def test_to_distributed_synchronizes_bns_on_the_device_the_fit_runs_on(tmp_path, monkeypatch):
     """fastai's learner keeps its model where it was made (the CPU) until the fit moves it: under a group where gloo

@@ -144,7 +144,7 @@ def _(y, group):
 @torch.library.register_fake("clfast::synced_grad_means", lib=_lib)
 def _(sum_dz, sum_dzx, y, group): return sum_dz.new_empty(2, sum_dz.shape[0])
 
-# %% ../nbs/21_ops.ipynb #4dcfd357
+# %% ../nbs/21_ops.ipynb #2ebb912a
 _loaded: dict[str, Optional[str]] = {}   # 'cpu' -> None once the C++ library loaded, else why not; 'cuda:i' -> why not, or None
 _OTHER_KERNELS = dict(ref=lambda: REFERENCE, triton=_triton)
 _FORCED: list[torch.library.Library] = []   # CLFAST_KERNELS's registration: the process's
@@ -167,7 +167,10 @@ def kernels_served(device_type:str) -> bool:
 def kernels_from(name:str, key:str='CPU'):
     """Serve dispatch key `key` with the kernel set `name` ('ref' or 'triton') inside the block, its own kernels again
     after it. `kernels_from('triton', 'Meta')`: Triton's launch code runs on shape-only tensors (`clfast.gpu_report`)"""
-    _cpu_ready()   # first: the C++ library, loaded inside, would register over the block's
+    # the C++ library first where it registers: loaded inside a CPU block, it would register over the block's kernels.
+    # It registers nothing for another key (the layer op's composite yields to a backend's own): a Meta block, the
+    # GPU report's dry runs, neither loads nor builds it, as on a GPU machine without a compiler
+    if key == 'CPU': _cpu_ready()
     lib = _serve(name, key)
     try: yield
     finally:

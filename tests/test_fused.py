@@ -335,9 +335,10 @@ def test_the_cpu_library_loads_at_the_first_cpu_call_even_a_compiled_one(device)
     assert float(compiled.split()[-1]) < 1e-5, compiled
 
 def test_a_call_that_does_not_take_the_op_loads_no_library():
-    """A fused layer recorded by `torch.jit.trace` or `torch.export` (which record the stock modules' ops) and a precise
-    BN whose call sums nothing (eval, no gradient, an NCHW input) neither load nor build the C++ library: each asked for
-    it first, which without a compiler warned, and in a fresh cache compiled for minutes, for nothing. (jit.trace's
+    """A fused layer recorded by `torch.jit.trace` or `torch.export` (which record the stock modules' ops), a precise
+    BN whose call sums nothing (eval, no gradient, an NCHW input) and the GPU report's dry runs on meta tensors neither
+    load nor build the C++ library: each asked for it first, which without a compiler warned, and in a fresh cache
+    compiled for minutes, for nothing (the test command's report, niced, built it before `clfast build`, which waited). (jit.trace's
     default check runs the layer eagerly after: a CPU call that takes the op, so loads it; left out here)"""
     code = """if True:
         import torch
@@ -351,6 +352,9 @@ def test_a_call_that_does_not_take_the_op_loads_no_library():
             torch.jit.trace(f, x, check_trace=False); torch.export.export(f, (x,))
         p = make_precise(nn.BatchNorm2d(4)).eval()
         with torch.no_grad(): p(torch.randn(2, 4, 5, 5))
+        from clfast import gpu_report   # its dry runs on meta tensors, eager and through the kernel ops
+        with gpu_report._triton_on_meta():
+            assert gpu_report.layer_step(torch.float16, 'relu') and gpu_report.layer_step(torch.float16, 'relu', traced=True)
         print('loaded:', 'cpu' in ops._loaded)
     """
     r = preloaded.run([sys.executable, '-c', code], timeout=300)

@@ -43,7 +43,7 @@ def forget_premises():
     "Forget this machine's measured premises (they are measured again when next needed)"
     forget_timings('premise:')
 
-# %% ../nbs/04c_routes.ipynb #30775065
+# %% ../nbs/04c_routes.ipynb #d3959dd1
 def effective_dilation(conv:nn.Conv2d) -> tuple:
     """`conv`'s dilation with 1 along a kernel dimension of size 1, where a dilation changes nothing. torch 2.14's CPU
     conv of a channels-last input with a bias crashed the process (segfault) on some such geometries: a 1x1 kernel,
@@ -70,9 +70,16 @@ class MeasuredKernel:
         "Whether this machine's stock kernel measured so (once per machine, cached)"
         return premise(self.name, self.probe)
 
+def _conv_tangent(conv:Callable, x:Tensor, weight:Tensor, x_t:Tensor|None, w_t:Tensor|None, b_t:Tensor|None) -> Tensor:
+    "The tangent of `conv(x, weight, bias)` (forward-mode AD: `torch.func.jvp`, dual tensors), linear in each input"
+    if x_t is None and w_t is None: return conv(x, torch.zeros_like(weight), b_t)   # (the bias's alone)
+    terms = ([conv(x_t, weight, None)] if x_t is not None else []) + ([conv(x, w_t, None)] if w_t is not None else [])
+    t = sum(terms[1:], terms[0])
+    return t if b_t is None else t + b_t.view(-1, 1, 1)
+
 class _WeightGradInNchw(torch.autograd.Function):
     "The stock channels-last conv and input gradient, with the weight gradient computed in nchw; saves what the stock conv saves"
-    generate_vmap_rule = True   # (forward and setup_context apart, vmap's rule generated: torch.func can transform it)
+    generate_vmap_rule = True   # (forward and setup_context apart, vmap's rule generated, a jvp: torch.func can transform it)
     @staticmethod
     def forward(x, weight, bias, stride, padding, dilation, groups):
         return torch.ops.aten.convolution(x, weight, bias, list(stride), list(padding), list(dilation), False, [0, 0], groups)
@@ -81,7 +88,15 @@ class _WeightGradInNchw(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, stride, padding, dilation, groups = inputs
         ctx.save_for_backward(x, weight)
+        ctx.save_for_forward(x, weight)
         ctx.geom, ctx.has_bias = (list(stride), list(padding), list(dilation), groups), bias is not None
+
+    @staticmethod
+    def jvp(ctx, x_t, w_t, b_t, *_):   # (the forward's conv is stock's: its tangent too)
+        x, weight = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.geom
+        conv = lambda a, w, b: torch.ops.aten.convolution(a, w, b, stride, padding, dilation, False, [0, 0], groups)
+        return _conv_tangent(conv, x, weight, x_t, w_t, b_t)
 
     @staticmethod
     def backward(ctx, dy):
@@ -468,7 +483,7 @@ class GuardedInstanceNorm2d(AsStock, nn.InstanceNorm2d):
             out.register_hook(Tensor.contiguous)
         return out
 
-# %% ../nbs/04c_routes.ipynb #abdf238f
+# %% ../nbs/04c_routes.ipynb #4b2862d0
 # (x's shape, weight's shape, stride, padding, groups, output padding, dilation): transposed calls of the sweep's wrong set
 TRANSPOSED_WEIGHT_GRAD_CASES = (((3, 4, 1, 2), (4, 1, 1, 3), (1, 2), (0, 2), 4, (0, 0), (1, 1)),
                                 ((1, 38, 5, 1), (38, 4, 3, 3), (2, 3), (1, 1), 2, (1, 1), (1, 1)),
@@ -509,7 +524,7 @@ ONE_BY_ONE_TRANSPOSED_WGRAD = ("aten.convolution_backward's weight gradient (CPU
 
 class _TransposedWeightGradAsProduct(torch.autograd.Function):
     "A 1x1 transposed conv with no padding, as stock in forward and for the input gradient; its weight gradient the product of `x` and every `stride`-th row and column of the upstream gradient, its bias gradient the upstream gradient's sum"
-    generate_vmap_rule = True   # (as `_WeightGradInNchw`: torch.func can transform it)
+    generate_vmap_rule = True   # (as `_WeightGradInNchw`: torch.func can transform it, forward-mode AD too)
     @staticmethod
     def forward(x, weight, bias, stride, output_padding):
         return torch.ops.aten.convolution(x, weight, bias, list(stride), [0, 0], [1, 1], True, list(output_padding), 1)
@@ -518,7 +533,15 @@ class _TransposedWeightGradAsProduct(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, weight, bias, stride, output_padding = inputs
         ctx.save_for_backward(x, weight)
+        ctx.save_for_forward(x, weight)
         ctx.geom, ctx.has_bias = (list(stride), list(output_padding)), bias is not None
+
+    @staticmethod
+    def jvp(ctx, x_t, w_t, b_t, *_):   # (the forward is stock's: its tangent too)
+        x, weight = ctx.saved_tensors
+        stride, output_padding = ctx.geom
+        conv = lambda a, w, b: torch.ops.aten.convolution(a, w, b, stride, [0, 0], [1, 1], True, output_padding, 1)
+        return _conv_tangent(conv, x, weight, x_t, w_t, b_t)
 
     @staticmethod
     def backward(ctx, dy):

@@ -340,6 +340,23 @@ def test_layer_without_conv(act):
                  (bn.running_mean, ref.running_mean), (bn.running_var, ref.running_var)):
         assert rel(a, b) < 1e-4
 
+@pytest.mark.parametrize('act', ['none', 'relu', 'silu'])
+def test_double_backward_direct(act):
+    """Backward under `create_graph=True` through the nodes CUDA's eager step runs (`_BnActStep` past autograd's conv:
+    `y` kept, the conv recomputed, no conv; `_LayerStep` on a contiguous weight): the stock composition's second
+    derivatives, fp64, to 1e-9"""
+    import itertools
+    from helpers import second_order, stock_layer, op_layer
+    cl = lambda t: t if t is None else t.contiguous(memory_format=torch.channels_last)
+    for training, res, keep_y, conv, cl_weight in itertools.product([True, False], repeat=5):
+        if cl_weight and not conv: continue
+        layer = op_layer(ops._DIRECT, training, act, 0., keep_y)
+        want = second_order(stock_layer(training, act, 0.), res, conv)
+        got = second_order(lambda x, w, *rest: layer(x, cl(w) if cl_weight else w, *rest), res, conv)
+        for i, (a, e) in enumerate(zip(got, want)):
+            err = ((a - e).abs().max() / e.abs().max().clamp_min(1e-12)).item()
+            assert err < 1e-9, (act, training, res, keep_y, conv, cl_weight, i, err)
+
 def test_opcheck_half_precision_backward():
     """The Triton kernels' backward, bf16, passes opcheck with results not needed (empty): in x's dtype, the BN
     parameters' gradients in params', as the fake states (they were x's dtype for all, the fake fp32 for all)"""

@@ -403,11 +403,17 @@ def _func_refusal_worker(rank, init):
             loss = lambda p: functional_call(m, p, (x,)).sum()
             with pytest.raises(RuntimeError, match=r"cannot run inside a torch.func transform.*BatchNorms are not synchronized"):
                 grad(loss)(dict(m.named_parameters()))
+            # a second differentiation, as PyTorch's SyncBatchNorm has none (each rank refuses before its exchange)
+            out = m(x.requires_grad_())
+            with pytest.raises(RuntimeError, match=r"synchronized BatchNorm has no double backward.*not synchronized"):
+                torch.autograd.grad(out.square().sum(), x, create_graph=True)
+            x = x.detach()
     finally: dist.destroy_process_group()
 
 def test_a_synchronized_bn_inside_torch_func_is_refused_by_name(tmp_path):
     """torch.func cannot run clfast's synchronizing op (a C++ autograd Function): a synchronized BN training on the CPU,
-    alone or fused, says so and what to do in each rank, where torch's own error named neither clfast nor the module"""
+    alone or fused, says so and what to do in each rank, where torch's own error named neither clfast nor the module;
+    and so does backward under `create_graph=True`, which PyTorch's SyncBatchNorm cannot differentiate again either"""
     _spawn(_func_refusal_worker, str(tmp_path/'init'))
 
 @pytest.mark.cuda

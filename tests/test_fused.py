@@ -431,15 +431,19 @@ def test_a_traced_or_exported_fused_model_holds_stock_ops(mode, train):
         torch.testing.assert_close(f(x), want, atol=1e-12, rtol=1e-12)
 
 @pytest.mark.parametrize('path', PATHS)
-def test_no_double_backward(path):
-    "Higher-order gradients raise (both paths are once-differentiable) instead of silently returning wrong ones"
-    f = FusedConvBN2d(3, 4, 3, padding=1)
-    x = torch.randn(2, 3, 5, 5, requires_grad=True)
-    with cpu_path(path):
-        out = f(x)
-        with pytest.raises(RuntimeError):
-            g, = torch.autograd.grad(out.square().sum(), x, create_graph=True)
-            g.sum().backward()
+@pytest.mark.parametrize('mode', ['speed', 'memory'])
+def test_double_backward(path, mode):
+    """Higher-order gradients through the fused module (a gradient penalty's: the input gradient taken with
+    `create_graph=True`, then differentiated) are the stock modules', in fp64 (the op's full matrix: test_ops.py)"""
+    f, conv, bn = pair(3, 4, act='silu', mode=mode, dtype=torch.float64)
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
+    def penalty_grads(layer, params):
+        xx = x.clone().requires_grad_()
+        g, = torch.autograd.grad(layer(xx).square().sum(), xx, create_graph=True)
+        return torch.autograd.grad(g.square().sum(), [xx, *params])
+    with cpu_path(path): got = penalty_grads(f, [f.weight, f.bn.weight, f.bn.bias])
+    want = penalty_grads(lambda t: stock(conv, bn, t, act='silu'), [conv.weight, bn.weight, bn.bias])
+    for a, b in zip(got, want): torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 @pytest.mark.parametrize('path', PATHS)
 @pytest.mark.parametrize('mode', ['speed', 'memory'])

@@ -11,6 +11,7 @@ from clfast import ops, cpu_kernels
 from clfast.act import ACTS
 from clfast.reference import ConvGeometry
 import preloaded
+from helpers import second_order, stock_layer, op_layer
 
 ROOT = Path(__file__).parent.parent
 # outputs / gradients, relative to the tensor's scale
@@ -253,13 +254,6 @@ def test_bad_input():
     with pytest.raises(ValueError, match='more than 1 value'): ops.fused_conv_bn(**args(x=torch.randn(1, 3, 1, 1), geometry=ConvGeometry(), weight=torch.randn(5, 3, 1, 1)))
     with pytest.raises(ValueError, match='unknown activation'): ops.fused_conv_bn(**args(act='mish'))
 
-def test_no_double_backward():
-    x = torch.randn(2, 3, 4, 4, requires_grad=True)
-    out = ops.fused_conv_bn(x, torch.randn(5, 3, 3, 3), None, None, None, None, None, None, True, 0.1, 1e-5,
-                            ConvGeometry(padding=(1, 1)), act='silu')
-    with pytest.raises(RuntimeError, match='no double backward'):
-        torch.autograd.grad(out.square().sum(), x, create_graph=True)
-
 def test_ref_env_serves_the_cpu_with_the_reference():
     "CLFAST_KERNELS=ref: the whole process's CPU kernels are the reference's"
     code = ("from clfast import ops; import torch; ops.kernels_ready(); "
@@ -381,7 +375,7 @@ def interpreted(tmp_path_factory):
     shutil.copytree(ROOT/'clfast', tmp/'none'/'clfast', ignore=shutil.ignore_patterns('*.so', '__pycache__'))
     start('none', '_triton_interp_layer.py', path_first=tmp/'none', CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP='none',
           CXX=str(tmp/'no-compiler'), TORCH_EXTENSIONS_DIR=str(tmp/'extensions'))
-    start('cpp', '_triton_interp_layer.py', ['-k', 'not (test_layer or resnet_step or efficientnet_step or recipes_step)'],
+    start('cpp', '_triton_interp_layer.py', ['-k', 'not (test_layer or resnet_step or efficientnet_step or recipes_step or double_backward)'],
           CLFAST_KERNELS='triton', CLFAST_TEST_LAYER_OP='cpp')
     def run(name) -> tuple[int, str]:
         log, p = runs[name]
@@ -430,6 +424,20 @@ def test_python_layer_op_is_the_cpp_ops_twin(dt):
             if a is None: continue
             assert a.stride() == b.stride(), (case, i)
             assert torch.equal(a, b), (case, i)
+
+@pytest.mark.parametrize('act,p', ACT_CASES)
+def test_double_backward_is_stocks_in_fp64(act, p):
+    """Backward under `create_graph=True` (a gradient penalty, MAML's inner steps, a Hessian-vector product) through
+    the C++ node and its Python twin: the second derivatives of the stock composition (fp64, to 1e-9) in training and
+    eval, with and without a residual and a conv, `y` kept and not"""
+    assert ops.kernels_ready()
+    ops_ = [ops._conv_bn_act] + [torch.ops.clfast.conv_bn_act] * (ops._loaded['cpu'] is None)   # (the C++ one: loaded)
+    for training, res, keep_y, conv in itertools.product([True, False], repeat=4):
+        want = second_order(stock_layer(training, act, p), res, conv)
+        for op in ops_:
+            got = second_order(op_layer(op, training, act, p, keep_y), res, conv)
+            for i, (a, e) in enumerate(zip(got, want)):
+                _close(a, e, 1e-9, f'{op} {act} {p} {(training, res, keep_y, conv)} input {i}')
 
 def test_an_old_gpu_runs_stock_and_says_so_once(monkeypatch):
     "A CUDA GPU older than sm_80 runs the fused layers as stock, said once. (Faked: no such GPU here, nor any GPU)"

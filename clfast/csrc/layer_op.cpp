@@ -158,6 +158,21 @@ void update_running(const OptTensor& running_mean, const OptTensor& running_var,
   }
 }
 
+// The layer's six gradients as stock ops that autograd records (clfast/ops.py's `_layer_grads_graph`): backward under
+// create_graph=True, where the kernels' gradients would be constants to a second differentiation
+std::vector<Tensor> layer_grads_graph(const Tensor& dout, const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                                      const OptTensor& bn_weight, const OptTensor& bn_bias, const OptTensor& residual,
+                                      const OptTensor& out, const Tensor& params, const Geometry& g, double eps,
+                                      bool training, int64_t act, double act_param, std::array<bool, 6> needs) {
+  static const auto k =
+      op<std::vector<Tensor>(const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                             const OptTensor&, const OptTensor&, const OptTensor&, const Tensor&, at::IntArrayRef,
+                             at::IntArrayRef, at::IntArrayRef, int64_t, double, bool, int64_t, double,
+                             std::array<bool, 6>)>("clfast::layer_grads_graph");
+  return k.call(dout, x, weight, bias, bn_weight, bn_bias, residual, out, params, g.stride, g.padding, g.dilation,
+                g.groups, eps, training, act, act_param, needs);
+}
+
 void update_running_op(const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& num_batches_tracked,
                        const Tensor& params, std::optional<double> momentum, c10::SymInt count) {
   static const auto k = op<void(const OptTensor&, const OptTensor&, const OptTensor&, const Tensor&,
@@ -212,8 +227,10 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
     const bool has_act = act != clfast_cpu::act::kNone, has_res = given(residual);
     const bool from_out = has_res && has_act && clfast_cpu::act::grad_from_out(act, act_param);
     const bool keep_res = has_res && has_act && !from_out;
+    // (BN's weight and bias for a backward under create_graph=True alone: `layer_grads_graph`)
     ctx->save_for_backward({x, weight.value_or(Tensor()), bias.value_or(Tensor()), y, params,
-                            keep_res ? *residual : Tensor(), from_out ? out : Tensor()});
+                            keep_res ? *residual : Tensor(), from_out ? out : Tensor(),
+                            bn_weight.value_or(Tensor()), bn_bias.value_or(Tensor())});
     ctx->saved_data["stride"] = g.stride;
     ctx->saved_data["padding"] = g.padding;
     ctx->saved_data["dilation"] = g.dilation;
@@ -221,6 +238,7 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
     ctx->saved_data["training"] = training;
     ctx->saved_data["act"] = act;
     ctx->saved_data["act_param"] = act_param;
+    ctx->saved_data["eps"] = eps;
     ctx->saved_data["group"] = group;
     // autograd's edges are the given tensors only: which of x, weight, bias, bn_weight, bn_bias, residual were
     ctx->saved_data["given"] = std::vector<bool>{true, given(weight), given(bias), given(bn_weight), given(bn_bias),
@@ -235,8 +253,6 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     RECORD_FUNCTION("clfast::conv_bn_act_backward", std::vector<c10::IValue>());
-    TORCH_CHECK(!at::GradMode::is_enabled(), "clfast's fused conv-BN has no double backward (create_graph=True): "
-                "unfuse the model (clfast.fuse.unfuse_conv_bn) for higher-order gradients");
     variable_list result(kArgs);
     auto& d = ctx->saved_data;
     const bool training = d["training"].toBool();
@@ -249,20 +265,31 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
     // unpacked before autograd's keys are excluded: a non-reentrant gradient checkpoint recomputes its block inside
     // this call, and the block's other ops must record their autograd (and save their tensors) as in the forward
     const auto saved = ctx->get_saved_variables();
+    std::array<bool, 6> needs{};
+    const auto was_given = d["given"].toBoolList();
+    for (size_t i = 0, edge = 0; i < 6; ++i)
+      if (was_given[i]) needs[i] = ctx->needs_input_grad(edge++);
+    const Geometry g{d["stride"].toIntVector(), d["padding"].toIntVector(), d["dilation"].toIntVector(),
+                     d["groups"].toInt()};
+    const int64_t act = d["act"].toInt();
+    const double act_param = d["act_param"].toDouble();
+    if (at::GradMode::is_enabled()) {  // create_graph=True: the gradients as a graph autograd differentiates again
+      TORCH_CHECK(!synced, "clfast's synchronized BatchNorm has no double backward (create_graph=True), as PyTorch's "
+                  "SyncBatchNorm has none: compute higher-order gradients on a model whose BatchNorms are not "
+                  "synchronized");
+      const auto got = layer_grads_graph(grads[0], saved[0], opt(saved[1]), opt(saved[2]), opt(saved[7]),
+                                         opt(saved[8]), opt(saved[5]), opt(saved[6]), saved[4], g,
+                                         d["eps"].toDouble(), training, act, act_param, needs);
+      for (size_t i = 0; i < 6; ++i)
+        if (needs[i]) result[i] = got[i];
+      return result;
+    }
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const Tensor &x = saved[0], &params = saved[4];
     const OptTensor weight = opt(saved[1]), bias = opt(saved[2]), residual = opt(saved[5]);
     const Tensor empty = x.new_empty({0});
     const Tensor out = saved[6].defined() ? saved[6] : empty;
     Tensor y = saved[3].defined() ? saved[3] : empty;  // empty: the 'memory' mode, recomputed by the kernel
-    const Geometry g{d["stride"].toIntVector(), d["padding"].toIntVector(), d["dilation"].toIntVector(),
-                     d["groups"].toInt()};
-    const int64_t act = d["act"].toInt();
-    const double act_param = d["act_param"].toDouble();
-    std::array<bool, 6> needs{};
-    const auto was_given = d["given"].toBoolList();
-    for (size_t i = 0, edge = 0; i < 6; ++i)
-      if (was_given[i]) needs[i] = ctx->needs_input_grad(edge++);
     const bool res_through_act = needs[5] && act != clfast_cpu::act::kNone;
     Tensor dout = grads[0].defined() ? grads[0].to(x.scalar_type()) : Tensor();
     Tensor dx, dw, db, dbw, dbb, dres;

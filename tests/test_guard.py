@@ -2,6 +2,7 @@
 import copy, json, os, pickle, subprocess, sys, textwrap, warnings
 from unittest import mock
 import pytest, torch, torch.nn.functional as F
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 from hypothesis import given, settings, example, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -251,6 +252,15 @@ def test_short_input_route_equals_fp64_and_costs_no_memory(monkeypatch):
         for a, b in ((out, out64), (xi.grad, x64.grad), (conv.weight.grad, w64.grad)):
             assert ((a.double() - b).abs().max() / b.abs().max()).item() < 1e-5, name
         assert conv.weight.grad.is_contiguous(memory_format=CL)
+        # forward-mode AD through the route (its jvp): the tangent along x and the weight
+        vx, vw = torch.randn_like(xi), torch.randn_like(conv.weight)
+        with fwAD.dual_level():
+            dx, dw = fwAD.make_dual(xi.detach(), vx), fwAD.make_dual(conv.weight.detach().requires_grad_(), vw)
+            assert short_input_plan(conv, dx, dw) is not None
+            t = fwAD.unpack_dual(torch.func.functional_call(conv, {'weight': dw}, (dx,))).tangent
+        conv64 = lambda a, w: torch.nn.functional.conv2d(a, w, None, conv.stride, conv.padding)
+        t64 = conv64(vx.double(), w64.detach()) + conv64(x64.detach(), vw.double())
+        assert ((t.double() - t64).abs().max() / t64.abs().max()).item() < 1e-5, name
     xb = torch.randn(32, 3, 64, 64).to(memory_format=CL)
     routed, plain = _saved_mib(m, xb), _saved_mib(stock, xb)
     assert routed <= 1.05 * plain, (routed, plain)

@@ -368,7 +368,11 @@ def test_rank_killed_mid_step_ends_rank0_with_error(tmp_path, sync_bn):
     peer is gone, at once, not the process group's timeout; nothing hangs"""
     (rc0, rc1), (_, pid1), info, log = _killed_ranks(tmp_path, sync_bn, reap=True)
     assert rc1 == -signal.SIGKILL, log[-5000:]
-    assert rc0 == 1 and 'error' in info, f"rank 0 ended with {rc0}: {log[-5000:]}"
+    assert rc0 in (1, -signal.SIGABRT) and 'error' in info, f"rank 0 ended with {rc0}: {log[-5000:]}"
+    # once in a fresh clone's test command (sync_bn False), rank 0 raised its error, then aborted at exit as gloo's
+    # process group came down after a lost peer ("terminate called without an active exception": torch's teardown,
+    # pytorch/pytorch#50701's kind): the error said, the process ended; an abort before the error fails above
+    if rc0 != 1: assert 'terminate called' in log.split('--- rank 1')[0], log[-5000:]
     assert _lost_rank_named(info['error'], pid1), info['error']
     kinds = set(info['kinds'])
     assert 'FusedConvBN2d' in kinds and ('PassThroughSyncBatchNorm' in kinds) == sync_bn

@@ -82,7 +82,7 @@ def test_per_sample_gradients(prepared):
         assert errors(sample(got), sample(ref)) <= MARGIN * errors(sample(floor), sample(ref))
     assert is_channels_last(prepared[0].weight)   # (the transform changed nothing of the model's)
 
-def input(seed, shape=(8, 3, 32, 32)):
+def batch(seed, shape=(8, 3, 32, 32)):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 3 + 2
 
 def _recipes(m):
@@ -98,7 +98,7 @@ def test_gradient_penalty(prepared, amp):
     input, that gradient taken with `create_graph=True`, differentiated with respect to the parameters (second
     derivatives through every fused layer and precise BN, on the batch's statistics) against fp64's; in fp32 and bf16
     autocast (stock channels-last's error there: 7.6x stock contiguous's on Zen 5)"""
-    x = input(2)
+    x = batch(2)
     def penalized(m, x):
         m = copy.deepcopy(m).train()
         x = x.clone().requires_grad_()
@@ -115,7 +115,7 @@ def test_gradient_penalty(prepared, amp):
 def test_double_backward_in_eval(prepared):
     """Eval (BN on its running statistics): the squared norm of the parameters' gradient, taken with
     `create_graph=True`, differentiated again (a Hessian-vector product's way) against fp64's"""
-    x = input(3)
+    x = batch(3)
     def penalized(m, x):
         m = copy.deepcopy(m).eval()
         params = list(m.parameters())
@@ -131,7 +131,7 @@ def tangent_error(t, ref) -> float: return ((t.double() - ref).norm() / ref.norm
 def test_forward_mode(prepared):
     """Forward-mode AD in eval: `torch.func.jvp` and dual tensors (`torch.autograd.forward_ad`), the output's tangent
     along an input direction against fp64's"""
-    x, v = input(4), input(5)
+    x, v = batch(4), batch(5)
     def tangents(m, x, v):
         m = copy.deepcopy(m).eval()
         _, t = jvp(m, (x,), (v,))
@@ -146,7 +146,7 @@ def test_forward_mode(prepared):
 def test_hessian_vector_product(prepared):
     """`jvp` of `grad` (forward over reverse: a Hessian-vector product) of a training step's loss with batch
     statistics against fp64's"""
-    x = input(6)
+    x = batch(6)
     def hvp(m, x):
         m = replace_all_batch_norm_modules_(copy.deepcopy(m).train())
         params = dict(m.named_parameters())

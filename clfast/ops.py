@@ -21,7 +21,7 @@ from .recompute import remember as remember_output, hooks_aside, saves_kept
 __all__ = ['REFERENCE', 'kernel_layout', 'register_kernels', 'kernels_served', 'kernels_from', 'transformed', 'kernels_ready',
            'autocast_on', 'no_autocast', 'autocast_dtype', 'autocast_cast', 'fused_conv_bn']
 
-# %% ../nbs/21_ops.ipynb #a6a301d2
+# %% ../nbs/21_ops.ipynb #022f261f
 _lib = torch.library.Library('clfast', 'DEF')
 _lib.define("layer_fwd(Tensor x, Tensor? weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, Tensor? residual, "
             "Tensor? mean, Tensor? var, int[] stride, int[] padding, int[] dilation, int groups, float eps, int act, "
@@ -42,7 +42,7 @@ _lib.define("synced_running_rows(Tensor(a!) params, Tensor count, Tensor? runnin
 _lib.define("synced_grad_means(Tensor sum_dz, Tensor sum_dzx, Tensor y, str group) -> Tensor")
 _lib.define("layer_grads_graph(Tensor dout, Tensor x, Tensor? weight, Tensor? bias, Tensor? bn_weight, Tensor? bn_bias, "
             "Tensor? residual, Tensor? out, Tensor params, int[] stride, int[] padding, int[] dilation, int groups, "
-            "float eps, bool training, int act, float act_param, bool[6] needs) -> Tensor[]")
+            "float eps, bool training, int act, float act_param, bool[6] needs, bool synced) -> Tensor[]")
 
 # %% ../nbs/21_ops.ipynb #efef5878
 _GEOMETRY_AT = dict(layer_fwd=8, layer_bwd=8, layer_out=None, batch_stats=None, update_running=None)   # where the schema's stride, padding, dilation, groups start
@@ -295,7 +295,7 @@ def autocast_cast(*ts:Tensor|None, dev:str) -> tuple:
     dt = torch.get_autocast_dtype(dev)
     return tuple(t.to(dt) if t is not None and t.is_floating_point() and t.dtype not in (dt, torch.float64) else t for t in ts)
 
-# %% ../nbs/21_ops.ipynb #162d152a
+# %% ../nbs/21_ops.ipynb #2454c2cd
 def _act_saves(act:int, act_param:float, residual:Tensor|None, out:Tensor) -> tuple:
     """What a layer's backward keeps for act' past its residual add, `(residual, out)`, None where not needed: the
     output where act' is read from it, else the residual to recompute `z` (without a residual, `z` comes from `y`)"""
@@ -310,7 +310,7 @@ def _as_dtypes(grads, dtypes) -> list:
     return [g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(grads, dtypes)]
 
 def _layer_grads_graph(dout, x, weight, bias, bn_weight, bn_bias, residual, out, params, stride, padding, dilation,
-                       groups, eps, training, act, act_param, needs) -> list:
+                       groups, eps, training, act, act_param, needs, synced=False) -> list:
     """A layer step's six gradients (`layer_bwd`'s) as a graph autograd differentiates again: what the layer's backward
     returns under `create_graph=True` (a gradient penalty, MAML's inner steps, a Hessian-vector product), where the
     kernels' gradients would be constants. The layer's forward computed again from its inputs with the stock modules'
@@ -319,7 +319,12 @@ def _layer_grads_graph(dout, x, weight, bias, bn_weight, bn_bias, residual, out,
     precisely, and none is one `clfast.guard` routes round (channels-last BN sums in fp32, some channels-last conv
     kernels are wrong: `clfast.bad_kernels`). Where the op saved `out` (`_act_saves`: a piecewise-linear activation
     past a residual, which it does not save) the activation's derivative is read from it, constant wherever defined.
-    Gradients not in `needs` are empty tensors (`Tensor[]` holds no None), the others in their inputs' layouts"""
+    Gradients not in `needs` are empty tensors (`Tensor[]` holds no None), the others in their inputs' layouts.
+    `synced`: a synchronized layer's, refused"""
+    if synced:
+        raise RuntimeError("clfast's synchronized BatchNorm has no double backward (create_graph=True), as PyTorch's "
+                           "SyncBatchNorm has none: compute higher-order gradients on a model whose BatchNorms are not "
+                           "synchronized")
     a, dev = _act_of(act), x.device.type
     flat = (lambda t: t if t is None else t.contiguous()) if dev == 'cpu' else (lambda t: t)
     inputs = (x, weight, bias, bn_weight, bn_bias)
@@ -345,11 +350,6 @@ def _layer_grads_graph(dout, x, weight, bias, bn_weight, bn_bias, residual, out,
 
 # the C++ node's backward calls it through the dispatcher; as a composite, autograd records the stock ops inside
 _lib.impl('layer_grads_graph', _layer_grads_graph, 'CompositeImplicitAutograd')
-
-def _no_double_backward_synced():
-    raise RuntimeError("clfast's synchronized BatchNorm has no double backward (create_graph=True), as PyTorch's "
-                       "SyncBatchNorm has none: compute higher-order gradients on a model whose BatchNorms are not "
-                       "synchronized")
 
 class _LayerStep(torch.autograd.Function):
     """`clfast::conv_bn_act`'s autograd node in Python: `csrc/layer_op.cpp`'s `ConvBnAct` line for line (the same kernel
@@ -398,12 +398,11 @@ class _LayerStep(torch.autograd.Function):
     def backward(ctx, dout, _dy, _dparams):
         synced = ctx.training and bool(ctx.group)
         if torch.is_grad_enabled():   # create_graph=True: the gradients as a graph autograd differentiates again
-            if synced: _no_double_backward_synced()
-            if dout is None: return (None,) * 17
+            if dout is None and not synced: return (None,) * 17
             x, weight, bias, _, params, residual, out, bn_weight, bn_bias = ctx.saved_tensors
             needs = ctx.needs_input_grad[:6]
             grads = _layer_grads_graph(dout, x, weight, bias, bn_weight, bn_bias, residual, out, params, *ctx.geom,
-                                       ctx.eps, ctx.training, ctx.act, ctx.act_param, needs)
+                                       ctx.eps, ctx.training, ctx.act, ctx.act_param, needs, synced)
             return (*(g if n else None for g, n in zip(grads, needs)), *([None] * 11))
         # no gradient and nothing to exchange: none. A synchronized layer's ranks all join its exchange below, whatever
         # gradient reached each: a rank whose batch was empty gets none from the layer above (its input's had no

@@ -163,14 +163,15 @@ void update_running(const OptTensor& running_mean, const OptTensor& running_var,
 std::vector<Tensor> layer_grads_graph(const Tensor& dout, const Tensor& x, const OptTensor& weight, const OptTensor& bias,
                                       const OptTensor& bn_weight, const OptTensor& bn_bias, const OptTensor& residual,
                                       const OptTensor& out, const Tensor& params, const Geometry& g, double eps,
-                                      bool training, int64_t act, double act_param, std::array<bool, 6> needs) {
+                                      bool training, int64_t act, double act_param, std::array<bool, 6> needs,
+                                      bool synced) {
   static const auto k =
       op<std::vector<Tensor>(const Tensor&, const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&,
                              const OptTensor&, const OptTensor&, const OptTensor&, const Tensor&, at::IntArrayRef,
                              at::IntArrayRef, at::IntArrayRef, int64_t, double, bool, int64_t, double,
-                             std::array<bool, 6>)>("clfast::layer_grads_graph");
+                             std::array<bool, 6>, bool)>("clfast::layer_grads_graph");
   return k.call(dout, x, weight, bias, bn_weight, bn_bias, residual, out, params, g.stride, g.padding, g.dilation,
-                g.groups, eps, training, act, act_param, needs);
+                g.groups, eps, training, act, act_param, needs, synced);
 }
 
 void update_running_op(const OptTensor& running_mean, const OptTensor& running_var, const OptTensor& num_batches_tracked,
@@ -274,12 +275,10 @@ struct ConvBnAct : public torch::autograd::Function<ConvBnAct> {
     const int64_t act = d["act"].toInt();
     const double act_param = d["act_param"].toDouble();
     if (at::GradMode::is_enabled()) {  // create_graph=True: the gradients as a graph autograd differentiates again
-      TORCH_CHECK(!synced, "clfast's synchronized BatchNorm has no double backward (create_graph=True), as PyTorch's "
-                  "SyncBatchNorm has none: compute higher-order gradients on a model whose BatchNorms are not "
-                  "synchronized");
+      // (a synchronized layer's refused there, with the reason: one message, Python's)
       const auto got = layer_grads_graph(grads[0], saved[0], opt(saved[1]), opt(saved[2]), opt(saved[7]),
                                          opt(saved[8]), opt(saved[5]), opt(saved[6]), saved[4], g,
-                                         d["eps"].toDouble(), training, act, act_param, needs);
+                                         d["eps"].toDouble(), training, act, act_param, needs, synced);
       for (size_t i = 0; i < 6; ++i)
         if (needs[i]) result[i] = got[i];
       return result;
